@@ -1,0 +1,3 @@
+"""hetjax: train one LLM across islands of mixed GPU vendors."""
+
+__version__ = "0.1.0"

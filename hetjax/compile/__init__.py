@@ -1,0 +1,1 @@
+"""Lowering and compiling the step ahead of time."""

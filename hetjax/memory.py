@@ -1,0 +1,128 @@
+"""Bytes per device before anything is allocated, and a clear refusal when they do not fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+from hetjax.config import Config, ConfigError
+
+GiB = 1024**3
+
+
+class DoesNotFit(ConfigError):
+    """The layout needs more memory per device than the devices have."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Bytes per device. Activations are an analytic estimate (the compiled
+    program's own figure is what `--compile_only` prints)."""
+
+    parameters: int
+    optimizer: int
+    gradients: int
+    activations: int
+    per_layer: int  # of the four above, what one more layer adds
+    devices: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.optimizer + self.gradients + self.activations
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {getattr(self, k) / GiB:.2f}"
+                          for k in ("parameters", "optimizer", "gradients", "activations"))
+        return f"{self.total / GiB:.2f} GiB per device ({parts})"
+
+
+def _activation_bytes_per_layer_token(cfg: Config, tensor: int) -> float:
+    m = cfg.model
+    width = np.dtype(m.dtype).itemsize
+    heads = m.num_heads * m.head_dim / tensor
+    kv = 2 * m.num_kv_heads * m.head_dim / tensor
+    mlp = m.mlp_dim / tensor
+    scores = 2 * m.num_heads / tensor * cfg.seq_len  # scores and probabilities, XLA attention
+    saved = {
+        # Everything the backward pass reads: norms, residuals, q/k/v, attention, SwiGLU.
+        "none": 5 * m.embed_dim + 2 * heads + kv + 3 * mlp + scores,
+        "dots": 2 * m.embed_dim + 2 * heads + kv + 2 * mlp,
+        "dots_no_batch": 2 * m.embed_dim + heads + kv + 2 * mlp,
+        "full": m.embed_dim,  # the layer's input only; the rest is recomputed
+    }[m.remat]
+    return saved * width
+
+
+def estimate(cfg: Config, layouts, mesh) -> Estimate:
+    """Per-device bytes of parameters, Adam's two moments, gradients and activations."""
+    params = sum(l.bytes_per_device for l in layouts)
+    layer_params = sum(l.bytes_per_device for l in layouts if l.logical[0] == "layers") / cfg.model.num_layers
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    tensor = mesh.shape["tensor"]
+    tokens = math.ceil(cfg.batch_size / cfg.optim.grad_accum_steps / batch_shards) * cfg.seq_len
+    per_token_layer = _activation_bytes_per_layer_token(cfg, tensor)
+    m = cfg.model
+    # One layer's full working set is live while the backward pass recomputes or
+    # consumes it, plus fp32 logits and their gradient.
+    working = _activation_bytes_per_layer_token(
+        dataclasses.replace(cfg, model=dataclasses.replace(m, remat="none")), tensor)
+    logits = 2 * 4 * m.vocab_size / tensor
+    activations = tokens * (m.num_layers * per_token_layer + working + logits)
+    return Estimate(
+        parameters=params, optimizer=2 * params, gradients=params,
+        activations=int(activations),
+        per_layer=int(4 * layer_params + tokens * per_token_layer),
+        devices=mesh.size)
+
+
+def device_memory_bytes(cfg: Config, devices=None) -> tuple[int, str]:
+    """Memory one device may use, and where that figure came from."""
+    if cfg.device_memory_gib > 0:
+        return int(cfg.device_memory_gib * GiB), "config.device_memory_gib"
+    device = (devices or jax.local_devices())[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"]), f"{device.device_kind} memory"
+    # Virtual CPU devices share the host's memory.
+    host = _host_available_bytes()
+    n = jax.local_device_count()
+    return host // n, f"host memory {host / GiB:.1f} GiB shared by {n} local CPU device(s)"
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info.get("MemAvailable", info["MemTotal"])
+    except (OSError, KeyError, ValueError):
+        return os_total_memory()
+
+
+def os_total_memory() -> int:
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(cfg: Config, est: Estimate, mesh) -> None:
+    """Raises DoesNotFit naming what is needed and what would fit."""
+    limit, source = device_memory_bytes(cfg, list(mesh.devices.flat))
+    budget = cfg.memory_fraction * limit
+    if est.total <= budget:
+        return
+    # Full FSDP over k devices divides state and (while the batch allows) activations by k.
+    one_device_total = est.total * est.devices
+    need_devices = math.ceil(one_device_total / budget)
+    fixed = est.total - cfg.model.num_layers * est.per_layer
+    max_layers = int((budget - fixed) // est.per_layer) if est.per_layer else 0
+    layer_hint = (f"--config.model.num_layers={max_layers}" if max_layers >= 1 else
+                  "not even one layer fits: lower config.batch_size or config.seq_len")
+    raise DoesNotFit(
+        f"config {cfg.name!r} needs about {est.describe()} on a mesh of {est.devices} device(s), "
+        f"but each device has {limit / GiB:.1f} GiB ({source}; config.memory_fraction="
+        f"{cfg.memory_fraction} of it is usable). What would fit: about {need_devices} devices "
+        f"of this size with the model sharded over config.mesh.fsdp, or on these devices {layer_hint}. "
+        f"Nothing was allocated.")

@@ -1,0 +1,90 @@
+"""Per-step metrics: JSONL and TensorBoard writers, a progress bar, and MFU."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+# Dense bf16 peak per device, FLOP/s, from the vendors' data sheets.
+PEAK_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12,
+    "L40S": 362e12, "MI325X": 1307e12, "MI300X": 1307e12, "MI250X": 191.5e12, "MI210": 181e12,
+}
+
+
+def model_flops_per_token(cfg, num_params: int) -> float:
+    """Training FLOPs per token: 6 per matmul parameter plus attention (PaLM's formula)."""
+    m = cfg.model
+    # The input embedding is a lookup, not a matmul (unless it doubles as the head).
+    lookup = 0 if m.tie_embeddings else m.vocab_size * m.embed_dim
+    attention = 12 * m.num_layers * m.num_heads * m.head_dim * cfg.seq_len
+    return 6 * (num_params - lookup) + attention
+
+
+def measure_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of an fp32 matmul on this host: the CPU stand-in for a peak table."""
+    device = jax.local_devices()[0]
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def peak_flops(cfg, devices) -> tuple[float, str]:
+    """Total peak FLOP/s of `devices`, and where the figure came from."""
+    if cfg.peak_tflops > 0:
+        return cfg.peak_tflops * 1e12 * len(devices), "config.peak_tflops"
+    kind = devices[0].device_kind
+    if devices[0].platform == "cpu":
+        # Virtual CPU devices share the host's cores: the host rate is the whole peak.
+        return measure_cpu_matmul_flops(), "measured fp32 matmul on this host"
+    for name, flops in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return flops * len(devices), f"{name} bf16 data sheet"
+    return math.nan, f"unknown device kind {kind!r}: set config.peak_tflops"
+
+
+class Writer:
+    """Writes each step's scalars to metrics.jsonl and TensorBoard; shows progress."""
+
+    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool = True):
+        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+
+    def write(self, step: int, scalars: dict, echo: bool = False) -> None:
+        scalars = {k: float(v) for k, v in scalars.items()}
+        self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        text = " ".join(f"{k}={v:.4g}" for k, v in scalars.items())
+        if self.bar is not None:
+            self.bar.n = step + 1
+            self.bar.set_postfix_str(text, refresh=True)
+        elif echo:
+            print(f"step {step}: {text}", flush=True)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,35 @@
+"""The optax chain built from the config: clipping, then AdamW on a warmup+cosine schedule."""
+
+from __future__ import annotations
+
+import jax
+import optax
+from flax import nnx
+
+from hetjax.config import OptimConfig
+
+
+def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup to `learning_rate`, then cosine decay to `min_lr_ratio` of it."""
+    decay_steps = max(cfg.decay_steps or total_steps, cfg.warmup_steps + 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+        decay_steps=decay_steps, end_value=cfg.learning_rate * cfg.min_lr_ratio)
+
+
+def decay_mask(params):
+    """True where weight decay applies: every weight except norm scales and biases."""
+    def is_weight(path, _):
+        name = str(path[-1].key if hasattr(path[-1], "key") else path[-1])
+        return not (name.startswith("scale") or "bias" in name)
+    return jax.tree_util.tree_map_with_path(
+        is_weight, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    schedule = learning_rate_schedule(cfg, total_steps)
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, mask=decay_mask)
+    if cfg.grad_clip_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw)
+    return adamw

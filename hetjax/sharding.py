@@ -1,0 +1,160 @@
+"""Logical axis names -> mesh axes -> NamedSharding, for parameters and activations.
+
+Models name logical axes only (`embed`, `mlp`, `heads`, ...). A rules table in the
+config maps each to mesh axes; changing a sharding experiment means editing the
+rules, never the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import threading
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hetjax.config import ConfigError
+
+_active = threading.local()
+
+
+def spec_for(logical_axes, rules) -> PartitionSpec:
+    """PartitionSpec for an array whose dimensions carry `logical_axes`.
+
+    A mesh axis shards at most one dimension: if an earlier dimension already took
+    it, a later one skips it (so `embed -> fsdp` leaves activations, whose `batch`
+    took fsdp first, unsplit along embed).
+    """
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for name in logical_axes:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in table:
+            raise ConfigError(
+                f"logical axis {name!r} has no rule in config.sharding.rules; add "
+                f"({name!r}, None) to replicate it, or map it to mesh axes")
+        target = table[name]
+        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*out)
+
+
+@contextlib.contextmanager
+def logical_rules(mesh: Mesh, rules):
+    """Makes `constrain` active while tracing model code for this mesh and rules."""
+    previous = getattr(_active, "value", None)
+    _active.value = (mesh, tuple(rules))
+    try:
+        yield
+    finally:
+        _active.value = previous
+
+
+def constrain(x: jax.Array, logical_axes) -> jax.Array:
+    """with_sharding_constraint by logical names; a no-op outside `logical_rules`."""
+    active = getattr(_active, "value", None)
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(logical_axes, rules)))
+
+
+def logical_axes(variable: nnx.Variable) -> tuple:
+    axes = variable.get_metadata().get("out_sharding")
+    assert axes is not None, f"parameter without logical axis names: {variable}"
+    return tuple(axes)
+
+
+def state_shardings(tree, mesh: Mesh, rules):
+    """NamedSharding for every Variable in `tree` by its logical axes; any other
+    leaf (a step counter, Adam's count) is replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def leaf(x):
+        if isinstance(x, nnx.Variable):
+            return x.replace(NamedSharding(mesh, spec_for(logical_axes(x), rules)))
+        return replicated
+    return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    path: str
+    shape: tuple
+    logical: tuple
+    spec: PartitionSpec
+    bytes: int
+    bytes_per_device: int
+    split: bool  # divided by some non-`data` mesh axis of size > 1
+
+
+def param_layouts(state, mesh: Mesh, rules) -> list[ParamLayout]:
+    """One record per parameter: where its dims go and how many bytes each device holds."""
+    layouts = []
+    for path, v in nnx.to_flat_state(state):
+        value = v.get_value()
+        name = "/".join(map(str, path))
+        logical = logical_axes(v)
+        spec = spec_for(logical, rules)
+        nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
+        divisor, split = 1, False
+        for dim, axis_name, axes in zip(value.shape, logical, spec):
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+            parts = math.prod(mesh.shape[a] for a in axes)
+            if dim % parts:
+                raise ConfigError(
+                    f"parameter {name} {tuple(value.shape)}: its {axis_name!r} dimension of size "
+                    f"{dim} cannot be split {parts} ways over mesh axes {axes}; change config.mesh "
+                    f"or the rule for {axis_name!r} in config.sharding.rules")
+            divisor *= parts
+            split |= any(a != "data" and mesh.shape[a] > 1 for a in axes)
+        layouts.append(ParamLayout(name, tuple(value.shape), logical, spec, nbytes,
+                                   nbytes // divisor, split))
+    return layouts
+
+
+def check_replication(layouts: list[ParamLayout], mesh: Mesh, max_fraction: float) -> float:
+    """Refuses a layout that leaves too many parameter bytes unsplit.
+
+    Only meaningful when the mesh has a non-`data` axis larger than 1: pure data
+    parallelism replicates every parameter on purpose.
+    """
+    if all(n == 1 for a, n in mesh.shape.items() if a != "data"):
+        return 0.0
+    total = sum(l.bytes for l in layouts)
+    unsplit = [l for l in layouts if not l.split]
+    fraction = sum(l.bytes for l in unsplit) / total
+    if fraction > max_fraction:
+        worst = ", ".join(l.path for l in sorted(unsplit, key=lambda l: -l.bytes)[:3])
+        raise ConfigError(
+            f"{fraction:.0%} of parameter bytes would be replicated on every device (largest: "
+            f"{worst}), above config.sharding.max_replicated_fraction={max_fraction}; map their "
+            f"logical axes to mesh axes in config.sharding.rules, or raise the limit")
+    return fraction
+
+
+def check_divisible(dims: dict[str, tuple[str, int]], rules, mesh: Mesh) -> None:
+    """Every model dimension must split evenly over the mesh axes its rule names.
+
+    `dims` maps logical axis -> (config field, size), e.g. ModelConfig.dims().
+    """
+    table = dict(rules)
+    for logical, (field, size) in dims.items():
+        target = table.get(logical)
+        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        parts = math.prod(mesh.shape[a] for a in axes)
+        if size % parts:
+            sizes = ", ".join(f"config.mesh.{a}={mesh.shape[a]}" for a in axes)
+            raise ConfigError(
+                f"config.{field}={size} does not split over {sizes} (config.sharding.rules maps "
+                f"{logical!r} to {axes}); make the mesh axes divide {size}, or map {logical!r} "
+                f"to other mesh axes")

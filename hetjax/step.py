@@ -1,0 +1,92 @@
+"""Pure train and eval steps: (state, batch) -> (state, metrics)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hetjax import sharding
+from hetjax.state import TrainState
+
+BATCH_AXES = ("batch", "length")
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+
+
+def batch_shardings(mesh: Mesh, rules) -> dict[str, NamedSharding]:
+    spec = sharding.spec_for(BATCH_AXES, rules)
+    return {k: NamedSharding(mesh, spec) for k in BATCH_KEYS}
+
+
+def loss_sums(params, graphdef, batch):
+    """(sum of token losses, number of loss tokens): callers divide, so that
+    micro-batches and shards of a batch add up to the same mean."""
+    model = nnx.merge(graphdef, params)
+    logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])  # (B, T, V) fp32
+    token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return jnp.sum(token_loss * mask), jnp.sum(mask)
+
+
+def _split_micro(x, n):
+    # Micro-batch i takes rows i, i+n, i+2n, ...: every data shard keeps an equal
+    # part of each micro-batch, so no micro-batch sits on a subset of devices.
+    x = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+    return sharding.constrain(x, (None, *BATCH_AXES))
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, mesh: Mesh, rules,
+                    grad_accum_steps: int = 1):
+    """The pure step. Gradients of all micro-batches are summed, then divided by
+    the token count once, so accumulation changes memory, not the result."""
+    grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+
+    def train_step(state: TrainState, batch):
+        with sharding.logical_rules(mesh, rules):
+            if grad_accum_steps == 1:
+                (loss_sum, count), grads = grad_fn(state.params, graphdef, batch)
+            else:
+                micro = jax.tree.map(lambda x: _split_micro(x, grad_accum_steps), batch)
+
+                def accumulate(carry, mb):
+                    (l, c), g = grad_fn(state.params, graphdef, mb)
+                    return jax.tree.map(jnp.add, carry, (l, c, g)), None
+
+                zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
+                (loss_sum, count, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+        count = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / count, grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "loss": loss_sum / count,
+            "grad_norm": optax.global_norm(grads),
+            "learning_rate": schedule(state.step),
+            "tokens": count,
+        }
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef, mesh: Mesh, rules):
+    def eval_step(params, batch):
+        with sharding.logical_rules(mesh, rules):
+            loss_sum, count = loss_sums(params, graphdef, batch)
+        return {"loss_sum": loss_sum, "tokens": count}
+    return eval_step
+
+
+def jit_train_step(train_step, state_shardings, batch_sharding, mesh: Mesh):
+    """jit with explicit in/out shardings and the state donated (updated in place)."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                   out_shardings=(state_shardings, replicated), donate_argnums=0)
+
+
+def jit_eval_step(eval_step, param_shardings, batch_sharding, mesh: Mesh):
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(eval_step, in_shardings=(param_shardings, batch_sharding),
+                   out_shardings=replicated)

@@ -1,0 +1,150 @@
+"""Trains a model: `python -m hetjax.train --config configs/tiny.py [--config.KEY=VALUE ...]`.
+
+With `--compile_only`, lowers and compiles the step on the configured mesh with
+abstract inputs and prints the compiler's memory and FLOP figures instead.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetjax import config as config_lib
+from hetjax import data, memory, metrics, optim, sharding, step
+from hetjax import state as state_lib
+from hetjax.compile import aot
+from hetjax.mesh import describe, make_mesh
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = config_lib.parse_command_line(sys.argv[1:] if argv is None else argv)
+    cfg = config_lib.load(args.config, args.overrides)
+    config_lib.validate(cfg)
+
+    # Everything below up to create_state is abstract: no parameter is allocated.
+    mesh = make_mesh(cfg.mesh)
+    rules = cfg.sharding.rules
+    schedule = optim.learning_rate_schedule(cfg.optim, cfg.steps)
+    tx = optim.make_optimizer(cfg.optim, cfg.steps)
+    sharding.check_divisible(cfg.model.dims(), rules, mesh)
+    graphdef, abstract_state = state_lib.abstract_state(cfg.model, cfg.seed, tx)
+    layouts = sharding.param_layouts(abstract_state.params, mesh, rules)
+    replicated = sharding.check_replication(layouts, mesh, cfg.sharding.max_replicated_fraction)
+    num_params = sum(math.prod(l.shape) for l in layouts)
+    estimate = memory.estimate(cfg, layouts, mesh)
+    print(f"{cfg.name}: {num_params:,} parameters on mesh {describe(mesh)} "
+          f"({mesh.devices.flat[0].device_kind}); {replicated:.1%} of parameter bytes replicated; "
+          f"needs {estimate.describe()}", flush=True)
+    if not args.compile_only:
+        memory.check_fits(cfg, estimate, mesh)
+
+    state_shardings = state_lib.state_shardings(abstract_state, mesh, rules)
+    batch_shardings = step.batch_shardings(mesh, rules)
+    abstract_batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32, sharding=s)
+                      for k, s in batch_shardings.items()}
+    t0 = time.perf_counter()
+    train_step = aot.compile(
+        step.jit_train_step(
+            step.make_train_step(graphdef, tx, schedule, mesh, rules, cfg.optim.grad_accum_steps),
+            state_shardings, batch_shardings, mesh),
+        aot.abstract(abstract_state, state_shardings), abstract_batch)
+    print(f"compiled the train step in {time.perf_counter() - t0:.1f}s", flush=True)
+    flops_per_step = metrics.model_flops_per_token(cfg, num_params) * cfg.batch_size * cfg.seq_len
+    if args.compile_only:
+        report = aot.analysis(train_step)
+        for key, value in report.items():
+            unit = f"{value / memory.GiB:.3f} GiB" if key.endswith("bytes") else f"{value:.4g}"
+            print(f"  {key:>22}: {unit} per device")
+        print(f"  {'model_flops':>22}: {flops_per_step:.4g} per step (6N + attention)")
+        return 0
+
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_lib.save(cfg, run_dir / "config.json")
+    state = state_lib.create_state(cfg.model, cfg.seed, tx, state_shardings)
+    eval_step = aot.compile(
+        step.jit_eval_step(step.make_eval_step(graphdef, mesh, rules), state_shardings.params,
+                           batch_shardings, mesh),
+        aot.abstract(abstract_state.params, state_shardings.params), abstract_batch)
+    stream = data.SyntheticStream(cfg.model.vocab_size, cfg.seq_len, seed=cfg.data.seed,
+                                  branching=cfg.data.branching,
+                                  mean_doc_length=cfg.data.mean_doc_length)
+    peak, peak_source = metrics.peak_flops(cfg, list(mesh.devices.flat))
+    print(f"MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source}); "
+          f"the data's best possible loss is about {stream.entropy_floor:.3f}", flush=True)
+
+    writer = metrics.Writer(run_dir, cfg.steps, cfg.tensorboard)
+    last_finite, clock = -1, time.perf_counter()
+
+    def report(s, step_metrics):
+        nonlocal last_finite, clock
+        values = jax.device_get(step_metrics)
+        now = time.perf_counter()
+        step_time, clock = now - clock, now
+        if not np.isfinite(values["loss"]):
+            raise TrainingDiverged(
+                f"loss is {values['loss']} at step {s}; the last finite loss was at step "
+                f"{last_finite}, so training diverged in steps {last_finite + 1}..{s}. "
+                f"Lower config.optim.learning_rate or config.optim.grad_clip_norm")
+        last_finite = s
+        values.update(step_time=step_time, tokens_per_sec=values["tokens"] / step_time,
+                      mfu=flops_per_step / step_time / peak)
+        writer.write(s, values, echo=s % cfg.log_every == 0 or s == cfg.steps - 1)
+
+    def evaluate(s):
+        nonlocal clock
+        sums = [eval_step(state.params, data.global_batch(stream, i, cfg.batch_size,
+                                                          batch_shardings, split=1))
+                for i in range(cfg.eval_batches)]
+        sums = jax.device_get(sums)
+        loss = sum(x["loss_sum"] for x in sums) / max(sum(x["tokens"] for x in sums), 1.0)
+        writer.write(s, {"eval_loss": loss}, echo=True)
+        clock = time.perf_counter()  # eval time is not step time
+
+    try:
+        previous = None
+        for s in range(cfg.steps):
+            batch = data.global_batch(stream, s, cfg.batch_size, batch_shardings)
+            state, step_metrics = train_step(state, batch)
+            # Read the previous step's metrics only now, so the device is never idle
+            # waiting for the host.
+            if previous is not None:
+                report(*previous)
+            previous = (s, step_metrics)
+            if cfg.eval_every and (s + 1) % cfg.eval_every == 0:
+                report(*previous)
+                previous = None
+                evaluate(s)
+        if previous is not None:
+            report(*previous)
+        if cfg.eval_every and cfg.steps % cfg.eval_every:
+            evaluate(cfg.steps - 1)
+    finally:
+        writer.close()
+    print(f"done: {cfg.steps} steps; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
+    return 0
+
+
+def cli() -> int:
+    try:
+        return main()
+    except config_lib.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,242 @@
+"""One decoder family for Llama 3 and Qwen2 (Flax NNX).
+
+The two differ only in fields of `ModelConfig`: Qwen2 adds q/k/v biases and uses
+RoPE theta 1e6 without frequency scaling; Llama 3(.1) uses theta 5e5 with its
+low/high-frequency RoPE scaling. Everything else (RMSNorm, grouped-query
+attention, SwiGLU, tied or untied embeddings) is shared.
+
+Shape letters used in weight names and comments:
+  B batch, T length, D embed, N heads, K kv_heads, H head_dim, F mlp, V vocab,
+  L layers.
+
+Parameters and activations carry *logical* axis names only; the config's rules
+table decides which mesh axes they land on (see hetjax/sharding.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hetjax.sharding import constrain
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+
+_init = nnx.initializers.normal(stddev=0.02)
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, init=_init) -> nnx.Param:
+    # eager_sharding=False: placement is decided once, by hetjax.sharding, when
+    # the whole state is created under jit with out_shardings.
+    assert len(shape) == len(axes), (shape, axes)
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes, eager_sharding=False)
+
+
+def _ones(key, shape, dtype):
+    del key
+    return jnp.ones(shape, dtype)
+
+
+def _zeros(key, shape, dtype):
+    del key
+    return jnp.zeros(shape, dtype)
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling_factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_length: int = 8192,
+) -> jax.Array:
+    """RoPE inverse frequencies, with Llama 3's frequency scaling when factor > 1."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling_factor == 1.0:
+        return inv_freq
+    # Llama 3.1: long wavelengths are stretched by `factor`, short ones kept, and
+    # the band in between interpolated smoothly.
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original_max_length / low_freq_factor
+    high_freq_wavelen = original_max_length / high_freq_factor
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling_factor, inv_freq)
+    smooth = (original_max_length / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling_factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates (B, T, N, H) by positions (B, T); halves convention, as in HF Llama."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # (B, T, H/2)
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, param_dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale_D = _param(rngs, (dim,), ("embed",), param_dtype, init=_ones)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Statistics in fp32 whatever the compute dtype: bf16 variance is too coarse.
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale_D[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query causal self-attention with RoPE and segment masking."""
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool,
+        implementation: str,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+    ):
+        D, N, K, H = embed_dim, num_heads, num_kv_heads, head_dim
+        self.q_DNH = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), param_dtype)
+        self.k_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.v_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.o_NHD = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), param_dtype)
+        if qkv_bias:
+            self.q_bias_NH = _param(rngs, (N, H), ("heads", "head_dim"), param_dtype, init=_zeros)
+            self.k_bias_KH = _param(rngs, (K, H), ("kv_heads", "head_dim"), param_dtype, init=_zeros)
+            self.v_bias_KH = _param(rngs, (K, H), ("kv_heads", "head_dim"), param_dtype, init=_zeros)
+        self.qkv_bias = qkv_bias
+        self.implementation = None if implementation == "auto" else implementation
+        self.dtype = dtype
+
+    def __call__(self, x, positions, segment_ids, inv_freq):
+        dt = self.dtype
+        q = jnp.einsum("BTD,DNH->BTNH", x, self.q_DNH[...].astype(dt))
+        k = jnp.einsum("BTD,DKH->BTKH", x, self.k_DKH[...].astype(dt))
+        v = jnp.einsum("BTD,DKH->BTKH", x, self.v_DKH[...].astype(dt))
+        if self.qkv_bias:
+            q = q + self.q_bias_NH[...].astype(dt)
+            k = k + self.k_bias_KH[...].astype(dt)
+            v = v + self.v_bias_KH[...].astype(dt)
+        q = constrain(apply_rope(q, positions, inv_freq), ("batch", "length", "heads", "head_dim"))
+        k = constrain(apply_rope(k, positions, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        # Packed documents: a token sees only earlier tokens of its own segment.
+        same_segment = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # (B, 1, T, T)
+        out = jax.nn.dot_product_attention(
+            q, k, v, mask=same_segment, is_causal=True, implementation=self.implementation
+        )  # (B, T, N, H)
+        out = constrain(out, ("batch", "length", "heads", "head_dim"))
+        return jnp.einsum("BTNH,NHD->BTD", out, self.o_NHD[...].astype(dt))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, embed_dim: int, mlp_dim: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        D, F = embed_dim, mlp_dim
+        self.gate_DF = _param(rngs, (D, F), ("embed", "mlp"), param_dtype)
+        self.up_DF = _param(rngs, (D, F), ("embed", "mlp"), param_dtype)
+        self.down_FD = _param(rngs, (F, D), ("mlp", "embed"), param_dtype)
+        self.dtype = dtype
+
+    def __call__(self, x):
+        dt = self.dtype
+        gate = jnp.einsum("BTD,DF->BTF", x, self.gate_DF[...].astype(dt))
+        up = jnp.einsum("BTD,DF->BTF", x, self.up_DF[...].astype(dt))
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+        return jnp.einsum("BTF,FD->BTD", hidden, self.down_FD[...].astype(dt))
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder layer."""
+
+    def __init__(self, embed_dim, mlp_dim, num_heads, num_kv_heads, head_dim, *, norm_eps,
+                 qkv_bias, attention_impl, dtype, param_dtype, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(embed_dim, eps=norm_eps, param_dtype=param_dtype, rngs=rngs)
+        self.attn = Attention(embed_dim, num_heads, num_kv_heads, head_dim, qkv_bias=qkv_bias,
+                              implementation=attention_impl, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs)
+        self.mlp_norm = RMSNorm(embed_dim, eps=norm_eps, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = MLP(embed_dim, mlp_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids, inv_freq):
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids, inv_freq)
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", "length", "embed"))
+
+
+class Decoder(nnx.Module):
+    """Token ids (B, T) -> logits (B, T, V) in fp32.
+
+    The L blocks are created stacked (every weight gets a leading `layers` axis)
+    and applied with `jax.lax.scan`, so compile time does not grow with depth.
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        self.embed_VD = _param(rngs, (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"), param_dtype)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return Block(cfg.embed_dim, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                         norm_eps=cfg.norm_eps, qkv_bias=cfg.qkv_bias,
+                         attention_impl=cfg.attention_impl, dtype=dtype, param_dtype=param_dtype,
+                         rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.unembed_DV = _param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), param_dtype)
+        self.tie_embeddings = cfg.tie_embeddings
+        self.remat = cfg.remat
+        self.dtype = dtype
+        self.rope = dict(head_dim=cfg.head_dim, theta=cfg.rope_theta,
+                         scaling_factor=cfg.rope_scaling_factor,
+                         low_freq_factor=cfg.rope_low_freq_factor,
+                         high_freq_factor=cfg.rope_high_freq_factor,
+                         original_max_length=cfg.rope_original_max_length)
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        B, T = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+        if segment_ids is None:
+            segment_ids = jnp.ones((B, T), jnp.int32)
+        inv_freq = rope_inv_freq(**self.rope)
+
+        x = jnp.take(self.embed_VD[...], tokens, axis=0).astype(self.dtype)  # (B, T, D)
+        x = constrain(x, ("batch", "length", "embed"))
+
+        blocks_def, blocks_state = nnx.split(self.blocks)
+
+        def layer(x, state):
+            block = nnx.merge(blocks_def, state)
+            return block(x, positions, segment_ids, inv_freq), None
+
+        if self.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        x, _ = jax.lax.scan(layer, x, blocks_state)
+
+        x = self.final_norm(x)
+        unembed = self.embed_VD[...].T if self.tie_embeddings else self.unembed_DV[...]
+        logits = jnp.einsum("BTD,DV->BTV", x, unembed.astype(self.dtype))
+        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
