@@ -62,7 +62,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, mesh: 
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": loss_sum / count,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "learning_rate": schedule(state.step),
             "tokens": count,
         }

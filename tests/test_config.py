@@ -1,0 +1,119 @@
+"""Config files, command-line overrides, and bad input caught before any compile."""
+
+import dataclasses
+import json
+
+import pytest
+
+from hetjax import config as config_lib
+from hetjax import train
+from hetjax.config import ConfigError
+
+
+def test_config_names_resolve_to_the_same_file():
+    paths = {config_lib.find_config_file(n).resolve() for n in ("configs/tiny.py", "tiny.py", "tiny")}
+    assert len(paths) == 1
+
+
+def test_published_shapes():
+    llama = config_lib.load("llama8b.py").model
+    assert (llama.num_layers, llama.embed_dim, llama.mlp_dim, llama.num_heads, llama.num_kv_heads,
+            llama.vocab_size, llama.rope_theta, llama.rope_scaling_factor, llama.qkv_bias) == (
+        32, 4096, 14336, 32, 8, 128256, 500000.0, 8.0, False)
+    qwen = config_lib.load("qwen2_7b.py").model
+    assert (qwen.num_layers, qwen.embed_dim, qwen.mlp_dim, qwen.num_heads, qwen.num_kv_heads,
+            qwen.vocab_size, qwen.rope_theta, qwen.rope_scaling_factor, qwen.qkv_bias) == (
+        28, 3584, 18944, 28, 4, 152064, 1e6, 1.0, True)
+    for name in ("tiny", "llama8b", "qwen2_7b"):
+        config_lib.validate(config_lib.load(name))
+
+
+def test_overrides_are_parsed_by_field_type():
+    cfg = config_lib.load("tiny", {
+        "model.num_layers": "3", "optim.learning_rate": "1e-3", "model.qkv_bias": "true",
+        "name": "x", "sharding.rules": "[('batch', ['data', 'fsdp'])]", "steps": "7"})
+    assert cfg.model.num_layers == 3 and isinstance(cfg.model.num_layers, int)
+    assert cfg.optim.learning_rate == 1e-3 and cfg.model.qkv_bias is True and cfg.name == "x"
+    assert cfg.sharding.rules == (("batch", ("data", "fsdp")),)
+    assert cfg.steps == 7
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("steps", "ten", "--config.steps='ten': expected a int"),
+    ("model.num_layers", "2.5", "model.num_layers"),
+    ("model.qkv_bias", "maybe", "model.qkv_bias"),
+    ("model.num_layer", "3", "did you mean model.num_layers"),
+    ("optim.learnig_rate", "3", "did you mean optim.learning_rate"),
+    ("modle.num_layers", "3", "did you mean model"),
+    ("model", "3", "is a section"),
+])
+def test_bad_overrides_name_the_key(key, value, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("?", r"\?")):
+        config_lib.load("tiny", {key: value})
+
+
+def test_command_line():
+    args = config_lib.parse_command_line(["--config", "tiny.py", "--config.steps=5",
+                                          "--config.model.dtype", "bfloat16", "--compile_only"])
+    assert args.config == "tiny.py" and args.compile_only
+    assert args.overrides == {"steps": "5", "model.dtype": "bfloat16"}
+    with pytest.raises(ConfigError, match="did you mean --compile_only"):
+        config_lib.parse_command_line(["--config", "tiny.py", "--compile-onyl"])
+    with pytest.raises(ConfigError, match="--config is required"):
+        config_lib.parse_command_line([])
+    with pytest.raises(ConfigError, match="known configs: .*tiny"):
+        config_lib.find_config_file("nope.py")
+
+
+def test_resolved_config_round_trips_as_json(tmp_path):
+    cfg = config_lib.load("tiny", {"steps": "9"})
+    config_lib.save(cfg, tmp_path / "config.json")
+    assert json.loads((tmp_path / "config.json").read_text())["steps"] == 9
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """Fails the test if anything reaches the compiler."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled before rejecting the config")
+    monkeypatch.setattr(train.aot, "compile", refuse)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    # 8 devices, but the mesh asks for 3.
+    (["--config.mesh.data=3", "--config.mesh.fsdp=1"], r"config.mesh .* has 3 devices but 8"),
+    (["--config.mesh.data=3"], r"config.mesh.fsdp=-1 cannot take the rest"),
+    # The tensor axis must divide heads, KV heads and the MLP width.
+    (["--config.mesh.fsdp=2", "--config.mesh.tensor=4", "--config.model.num_heads=6",
+      "--config.model.num_kv_heads=2"], r"config.model.num_heads=6 does not split over config.mesh.tensor=4"),
+    (["--config.mesh.fsdp=2", "--config.mesh.tensor=4"], r"config.model.num_kv_heads=2 does not split"),
+    (["--config.mesh.fsdp=2", "--config.mesh.tensor=4", "--config.model.num_kv_heads=4",
+      "--config.model.mlp_dim=90"], r"config.model.mlp_dim=90 does not split"),
+    # Rules that name a logical axis the model does not have, or a mesh axis that does not exist.
+    (["--config.sharding.rules=" + repr(tuple(dict(config_lib.DEFAULT_RULES, embd="fsdp").items()))],
+     r"unknown logical axis 'embd'; did you mean 'embed'"),
+    (["--config.sharding.rules=(('batch', 'dta'),)"], r"'dta' is not a mesh axis"),
+    (["--config.sharding.rules=(('batch', 'data'),)"], r"no rule for logical axes"),
+    (["--config.model.num_heads=5"], r"num_heads=5 is not a multiple of config.model.num_kv_heads=2"),
+    (["--config.model.remat=some"], r"config.model.remat='some'"),
+    (["--config.batch_size=10", "--config.optim.grad_accum_steps=4"], r"config.batch_size=10"),
+    (["--config.model.num_layres=4"], r"did you mean model.num_layers"),
+    (["--config.steps=1.5"], r"--config.steps='1.5': expected a int"),
+])
+def test_bad_configs_fail_before_compiling(overrides, message, no_compile, tmp_path):
+    argv = ["--config", "tiny.py", f"--config.run_dir={tmp_path / 'run'}", *overrides]
+    with pytest.raises(ConfigError, match=message):
+        train.main(argv)
+    assert not (tmp_path / "run").exists()  # nothing written either
+
+
+def test_cli_exits_with_the_message(capsys, monkeypatch, no_compile):
+    monkeypatch.setattr("sys.argv", ["hetjax.train", "--config", "tiny.py", "--config.mesh.data=3"])
+    assert train.cli() == 2
+    assert "config.mesh" in capsys.readouterr().err
+
+
+def test_frozen():
+    cfg = config_lib.load("tiny")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.steps = 3

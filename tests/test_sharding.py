@@ -1,0 +1,148 @@
+"""Sharding: the rule table decides placement, and the mesh never changes the math."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from hetjax import data, sharding, step
+from hetjax import state as state_lib
+from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig
+from hetjax.mesh import make_mesh
+from hetjax.optim import learning_rate_schedule, make_optimizer
+
+CFG = Config(
+    model=ModelConfig(vocab_size=128, num_layers=2, embed_dim=32, mlp_dim=64, num_heads=8,
+                      num_kv_heads=4, head_dim=8, qkv_bias=True),
+    optim=OptimConfig(learning_rate=1e-2, warmup_steps=1),
+    batch_size=8, seq_len=16, steps=3)
+
+MESHES = {
+    "1 device": (MeshConfig(fsdp=1), 1),
+    "fsdp=8": (MeshConfig(fsdp=8), 8),
+    "fsdp=2,tensor=4": (MeshConfig(fsdp=2, tensor=4), 8),
+    "data=2,fsdp=2,tensor=2": (MeshConfig(data=2, fsdp=2, tensor=2), 8),
+}
+
+
+def build(cfg, mesh_cfg, num_devices):
+    mesh = make_mesh(mesh_cfg, jax.devices()[:num_devices])
+    rules = cfg.sharding.rules
+    tx = make_optimizer(cfg.optim, cfg.steps)
+    graphdef, abstract = state_lib.abstract_state(cfg.model, cfg.seed, tx)
+    shardings = state_lib.state_shardings(abstract, mesh, rules)
+    state = state_lib.create_state(cfg.model, cfg.seed, tx, shardings)
+    return mesh, rules, tx, graphdef, shardings, state
+
+
+def run(cfg, mesh_cfg, num_devices):
+    """First-step gradients and three steps of losses on this mesh."""
+    mesh, rules, tx, graphdef, shardings, state = build(cfg, mesh_cfg, num_devices)
+    batch_sh = step.batch_shardings(mesh, rules)
+    stream = data.SyntheticStream(cfg.model.vocab_size, cfg.seq_len, seed=0)
+
+    def mean_grads(params, batch):
+        with sharding.logical_rules(mesh, rules):
+            (_, count), grads = jax.value_and_grad(step.loss_sums, has_aux=True)(params, graphdef, batch)
+        return jax.tree.map(lambda g: g / count, grads)
+
+    grads = jax.jit(mean_grads, in_shardings=(shardings.params, batch_sh))(
+        state.params, data.global_batch(stream, 0, cfg.batch_size, batch_sh))
+    train_step = step.jit_train_step(
+        step.make_train_step(graphdef, tx, learning_rate_schedule(cfg.optim, cfg.steps), mesh, rules),
+        shardings, batch_sh, mesh)
+    losses = []
+    for s in range(cfg.steps):
+        state, metrics = train_step(state, data.global_batch(stream, s, cfg.batch_size, batch_sh))
+        losses.append(float(metrics["loss"]))
+    return jax.device_get(grads), np.array(losses)
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    return run(CFG, *MESHES["1 device"])
+
+
+@pytest.mark.parametrize("name", [n for n in MESHES if n != "1 device"])
+def test_loss_and_gradients_agree_across_meshes(name, single_device):
+    ref_grads, ref_losses = single_device
+    grads, losses = run(CFG, *MESHES[name])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        scale = np.max(np.abs(r))
+        np.testing.assert_allclose(g / scale, r / scale, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+    assert losses[-1] < losses[0]  # the three steps did train
+
+
+def _spec(state, *path):
+    leaf = state.params
+    for key in path:
+        leaf = leaf[key]
+    return leaf.get_value().sharding.spec, leaf.get_value()
+
+
+def test_parameter_shardings_follow_the_rules_table():
+    mesh_cfg, n = MESHES["fsdp=2,tensor=4"]
+    *_, state = build(CFG, mesh_cfg, n)
+    spec, up = _spec(state, "blocks", "mlp", "up_DF")
+    assert spec == P(None, "fsdp", "tensor")  # (layers, embed, mlp)
+    L, D, F = up.shape
+    assert {s.data.shape for s in up.addressable_shards} == {(L, D // 2, F // 4)}
+    assert _spec(state, "blocks", "attn", "k_DKH")[0] == P(None, "fsdp", "tensor", None)
+    assert _spec(state, "embed_VD")[0] == P("tensor", "fsdp")
+    # Adam's moments live where their parameters do.
+    mu = state.opt_state[1][0].mu["blocks"]["mlp"]["up_DF"].get_value()
+    assert mu.sharding.spec == P(None, "fsdp", "tensor")
+
+    # Another experiment is a rules edit, not a model edit.
+    rules = dict(CFG.sharding.rules) | {"mlp": "fsdp", "embed": "tensor", "vocab": None}
+    cfg = dataclasses.replace(CFG, sharding=dataclasses.replace(CFG.sharding, rules=tuple(rules.items())))
+    *_, state = build(cfg, mesh_cfg, n)
+    assert _spec(state, "blocks", "mlp", "up_DF")[0] == P(None, "tensor", "fsdp")
+    assert _spec(state, "embed_VD")[0] == P(None, "tensor")
+
+
+def test_batch_is_split_over_data_and_fsdp():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    spec = step.batch_shardings(mesh, CFG.sharding.rules)["inputs"].spec
+    assert spec == P(("data", "fsdp"), None)
+
+
+def test_a_mesh_axis_shards_only_one_dimension():
+    rules = (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("length", None))
+    assert sharding.spec_for(("batch", "length", "embed"), rules) == P(("data", "fsdp"), None, None)
+    assert sharding.spec_for(("embed", "batch"), rules) == P("fsdp", "data")
+
+
+def test_constrain_is_a_noop_outside_logical_rules():
+    x = jnp.ones((4, 4))
+    assert sharding.constrain(x, ("batch", "embed")) is x
+
+
+def test_refuses_a_layout_that_replicates_the_parameters():
+    mesh = make_mesh(MeshConfig(fsdp=8))
+    rules = tuple((name, None) for name, _ in CFG.sharding.rules)
+    _, abstract = state_lib.abstract_state(CFG.model, 0, make_optimizer(CFG.optim, 3))
+    layouts = sharding.param_layouts(abstract.params, mesh, rules)
+    with pytest.raises(ConfigError, match="max_replicated_fraction"):
+        sharding.check_replication(layouts, mesh, 0.1)
+    # Pure data parallelism replicates on purpose and is allowed.
+    dp = make_mesh(MeshConfig(data=8, fsdp=1))
+    assert sharding.check_replication(sharding.param_layouts(abstract.params, dp, rules), dp, 0.1) == 0.0
+
+
+def test_bytes_per_device_divide_by_the_shards():
+    _, abstract = state_lib.abstract_state(CFG.model, 0, make_optimizer(CFG.optim, 3))
+    one = sharding.param_layouts(abstract.params, make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]),
+                                 CFG.sharding.rules)
+    eight = sharding.param_layouts(abstract.params, make_mesh(MeshConfig(fsdp=2, tensor=4)),
+                                   CFG.sharding.rules)
+    by_path = {l.path: l for l in eight}
+    for l in one:
+        assert l.bytes_per_device == l.bytes
+        spec = by_path[l.path].spec
+        parts = np.prod([{"fsdp": 2, "tensor": 4, None: 1}[a] for a in spec])
+        assert by_path[l.path].bytes_per_device * parts == l.bytes

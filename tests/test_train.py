@@ -1,0 +1,173 @@
+"""The train step and the training program, end to end on 8 virtual CPU devices."""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hetjax import data, step, train
+from hetjax.config import Config, MeshConfig, ModelConfig, OptimConfig
+from hetjax.optim import decay_mask, learning_rate_schedule, make_optimizer
+from tests.test_sharding import build
+
+ROOT = Path(__file__).resolve().parent.parent
+CFG = Config(
+    model=ModelConfig(vocab_size=64, num_layers=2, embed_dim=32, mlp_dim=64, num_heads=4,
+                      num_kv_heads=2, head_dim=8),
+    mesh=MeshConfig(data=2, fsdp=4),
+    optim=OptimConfig(learning_rate=1e-2, warmup_steps=1),
+    batch_size=8, seq_len=16, steps=3)
+
+
+def make_step(cfg, jit=True):
+    mesh, rules, tx, graphdef, shardings, state = build(cfg, cfg.mesh, 8)
+    fn = step.make_train_step(graphdef, tx, learning_rate_schedule(cfg.optim, cfg.steps), mesh,
+                              rules, cfg.optim.grad_accum_steps)
+    batch_sh = step.batch_shardings(mesh, rules)
+    stream = data.SyntheticStream(cfg.model.vocab_size, cfg.seq_len, seed=0)
+    batches = [data.global_batch(stream, s, cfg.batch_size, batch_sh) for s in range(cfg.steps)]
+    return fn, shardings, batch_sh, mesh, state, batches
+
+
+def test_the_step_is_traced_once():
+    fn, shardings, batch_sh, mesh, state, batches = make_step(CFG)
+    traces = []
+
+    def counted(state, batch):
+        traces.append(1)
+        return fn(state, batch)
+
+    jitted = step.jit_train_step(counted, shardings, batch_sh, mesh)
+    for batch in batches:
+        state, _ = jitted(state, batch)
+    assert len(traces) == 1 and jitted._cache_size() == 1
+    assert int(state.step) == len(batches)
+
+
+def test_gradient_accumulation_changes_memory_not_the_result():
+    results = []
+    for accum in (1, 4):
+        cfg = dataclasses.replace(CFG, optim=dataclasses.replace(CFG.optim, grad_accum_steps=accum))
+        fn, shardings, batch_sh, mesh, state, batches = make_step(cfg)
+        jitted = step.jit_train_step(fn, shardings, batch_sh, mesh)
+        metrics = []
+        for batch in batches:
+            state, m = jitted(state, batch)
+            metrics.append(jax.device_get(m))
+        results.append((metrics, jax.device_get(state.params)))
+    (m1, p1), (m4, p4) = results
+    for a, b in zip(m1, m4):
+        np.testing.assert_allclose([a["loss"], a["grad_norm"]], [b["loss"], b["grad_norm"]], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_bf16_compute_keeps_fp32_master_weights():
+    cfg = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, dtype="bfloat16"))
+    fn, shardings, batch_sh, mesh, state, batches = make_step(cfg)
+    jitted = step.jit_train_step(fn, shardings, batch_sh, mesh)
+    losses = []
+    for batch in batches:
+        state, m = jitted(state, batch)
+        losses.append(float(m["loss"]))
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype("float32")}
+    assert all(math.isfinite(l) for l in losses) and losses[-1] < losses[0]
+
+
+def test_optimizer_schedule_and_decay_mask():
+    opt = OptimConfig(learning_rate=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    lr = learning_rate_schedule(opt, 110)
+    assert float(lr(0)) == 0.0 and float(lr(5)) == pytest.approx(0.5)
+    assert float(lr(10)) == pytest.approx(1.0)
+    assert float(lr(60)) == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-5)  # cosine midpoint
+    assert float(lr(110)) == pytest.approx(0.1)
+    _, _, _, _, _, state = build(dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, qkv_bias=True)),
+                                 CFG.mesh, 8)
+    mask = {"/".join(map(str, p)): v.get_value() if hasattr(v, "get_value") else v
+            for p, v in jax.tree_util.tree_flatten_with_path(decay_mask(state.params))[0]
+            for p in [[getattr(k, "key", k) for k in p]]}
+    decayed = {k for k, v in mask.items() if v}
+    assert any("up_DF" in k for k in decayed) and any("embed_VD" in k for k in decayed)
+    assert not any("scale" in k or "bias" in k for k in decayed)
+    assert any("bias" in k for k in mask) and any("scale" in k for k in mask)
+
+
+def test_weight_decay_skips_norms_and_biases():
+    """With zero gradients, AdamW's update is pure decay: norms and biases must not move."""
+    cfg = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, qkv_bias=True))
+    _, _, _, _, _, state = build(cfg, CFG.mesh, 8)
+    tx = make_optimizer(dataclasses.replace(cfg.optim, warmup_steps=0, weight_decay=0.5), 10)
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    updates, _ = tx.update(zeros, tx.init(state.params), state.params)
+    for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        name = jax.tree_util.keystr(path)
+        if "scale" in name or "bias" in name:
+            assert not np.any(np.asarray(u)), name
+        else:
+            assert np.any(np.asarray(u)), name
+
+
+def run_main(tmp_path, *overrides):
+    run_dir = tmp_path / "run"
+    code = train.main(["--config", "tiny.py", f"--config.run_dir={run_dir}", *overrides])
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return code, run_dir, rows
+
+
+def test_tiny_config_trains(tmp_path):
+    """The loss falls from ln(256) ~ 5.55 by at least 2 nats in 150 steps."""
+    code, run_dir, rows = run_main(tmp_path, "--config.steps=150", "--config.eval_every=75",
+                                   "--config.mesh.fsdp=4", "--config.mesh.data=2")
+    assert code == 0
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(150))
+    first, last = train_rows[0]["loss"], np.mean([r["loss"] for r in train_rows[-10:]])
+    assert abs(first - math.log(256)) < 0.3
+    assert last < first - 2.0, (first, last)
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert len(evals) == 2 and evals[1] < evals[0]
+    for key in ("grad_norm", "learning_rate", "tokens_per_sec", "step_time", "mfu"):
+        assert all(math.isfinite(r[key]) and r[key] >= 0 for r in train_rows), key
+    assert json.loads((run_dir / "config.json").read_text())["steps"] == 150
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_a_nan_stops_training_with_the_step_range(tmp_path):
+    with pytest.raises(train.TrainingDiverged, match=r"training diverged in steps \d+\.\.\d+"):
+        run_main(tmp_path, "--config.steps=30", "--config.optim.learning_rate=1e30",
+                 "--config.optim.warmup_steps=0", "--config.optim.grad_clip_norm=0")
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss"]) for r in rows)  # what was written stays
+
+
+def test_compile_only_reports_memory_and_flops(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert train.main(["--config", "tiny.py", f"--config.run_dir={run_dir}", "--compile_only",
+                       "--config.mesh.fsdp=2", "--config.mesh.tensor=4",
+                       "--config.model.num_kv_heads=4"]) == 0
+    out = capsys.readouterr().out
+    assert "temp_bytes" in out and "argument_bytes" in out and "flops" in out
+    assert not run_dir.exists()
+
+
+def test_a_model_that_cannot_fit_is_refused_quickly():
+    """Llama-3-8B on this CPU host: a clear answer within 60 s, before allocating."""
+    t = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "hetjax.train", "--config", "llama8b.py",
+                           "--config.device_memory_gib=24"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+    assert time.monotonic() - t < 60
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr
+    for word in ("GiB per device", "parameters 29.92", "optimizer 59.83", "activations",
+                 "What would fit", "config.mesh.fsdp", "Nothing was allocated"):
+        assert word in err, (word, err)
