@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import numpy as np
@@ -98,13 +99,8 @@ def _host_available_bytes() -> int:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
         return info.get("MemAvailable", info["MemTotal"])
-    except (OSError, KeyError, ValueError):
-        return os_total_memory()
-
-
-def os_total_memory() -> int:
-    import os
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, KeyError, ValueError):  # not Linux: total memory instead
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_fits(cfg: Config, est: Estimate, mesh) -> None:
