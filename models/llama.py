@@ -209,11 +209,11 @@ class Decoder(nnx.Module):
         self.tie_embeddings = cfg.tie_embeddings
         self.remat = cfg.remat
         self.dtype = dtype
-        self.rope = dict(head_dim=cfg.head_dim, theta=cfg.rope_theta,
-                         scaling_factor=cfg.rope_scaling_factor,
-                         low_freq_factor=cfg.rope_low_freq_factor,
-                         high_freq_factor=cfg.rope_high_freq_factor,
-                         original_max_length=cfg.rope_original_max_length)
+        # A tuple, not a dict: static module attributes must be hashable so the
+        # graphdef can be a static jit argument.
+        self.rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_factor,
+                     cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                     cfg.rope_original_max_length)
 
     def __call__(self, tokens, positions=None, segment_ids=None):
         B, T = tokens.shape
@@ -221,7 +221,7 @@ class Decoder(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
         if segment_ids is None:
             segment_ids = jnp.ones((B, T), jnp.int32)
-        inv_freq = rope_inv_freq(**self.rope)
+        inv_freq = rope_inv_freq(*self.rope)
 
         x = jnp.take(self.embed_VD[...], tokens, axis=0).astype(self.dtype)  # (B, T, D)
         x = constrain(x, ("batch", "length", "embed"))
