@@ -16,7 +16,7 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 
 class ConfigError(ValueError):

@@ -9,6 +9,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hetjax import sharding
+from hetjax.compile import aot
+from hetjax.optim import learning_rate_schedule
 from hetjax.state import TrainState
 
 BATCH_AXES = ("batch", "length")
@@ -90,3 +92,28 @@ def jit_eval_step(eval_step, param_shardings, batch_sharding, mesh: Mesh):
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(eval_step, in_shardings=(param_shardings, batch_sharding),
                    out_shardings=replicated)
+
+
+def abstract_batch(batch_size: int, seq_len: int, shardings: dict) -> dict[str, jax.ShapeDtypeStruct]:
+    return {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=s)
+            for k, s in shardings.items()}
+
+
+def compile_train_step(cfg, graphdef, tx, abstract_state: TrainState, state_shardings: TrainState,
+                       mesh: Mesh):
+    """The config's train step, lowered for abstract inputs and compiled (nothing allocated)."""
+    rules = cfg.sharding.rules
+    schedule = learning_rate_schedule(cfg.optim, cfg.steps)
+    fn = make_train_step(graphdef, tx, schedule, mesh, rules, cfg.optim.grad_accum_steps)
+    batch_sh = batch_shardings(mesh, rules)
+    return aot.compile(jit_train_step(fn, state_shardings, batch_sh, mesh),
+                       aot.abstract(abstract_state, state_shardings),
+                       abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))
+
+
+def compile_eval_step(cfg, graphdef, abstract_params, param_shardings, mesh: Mesh):
+    rules = cfg.sharding.rules
+    batch_sh = batch_shardings(mesh, rules)
+    return aot.compile(jit_eval_step(make_eval_step(graphdef, mesh, rules), param_shardings, batch_sh, mesh),
+                       aot.abstract(abstract_params, param_shardings),
+                       abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))

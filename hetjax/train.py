@@ -12,13 +12,12 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hetjax import config as config_lib
 from hetjax import data, memory, metrics, optim, sharding, step
-from hetjax import state as state_lib
 from hetjax.compile import aot
+from hetjax import state as state_lib
 from hetjax.mesh import describe, make_mesh
 
 
@@ -34,7 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     # Everything below up to create_state is abstract: no parameter is allocated.
     mesh = make_mesh(cfg.mesh)
     rules = cfg.sharding.rules
-    schedule = optim.learning_rate_schedule(cfg.optim, cfg.steps)
     tx = optim.make_optimizer(cfg.optim, cfg.steps)
     sharding.check_divisible(cfg.model.dims(), rules, mesh)
     graphdef, abstract_state = state_lib.abstract_state(cfg.model, cfg.seed, tx)
@@ -50,14 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
     state_shardings = state_lib.state_shardings(abstract_state, mesh, rules)
     batch_shardings = step.batch_shardings(mesh, rules)
-    abstract_batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32, sharding=s)
-                      for k, s in batch_shardings.items()}
     t0 = time.perf_counter()
-    train_step = aot.compile(
-        step.jit_train_step(
-            step.make_train_step(graphdef, tx, schedule, mesh, rules, cfg.optim.grad_accum_steps),
-            state_shardings, batch_shardings, mesh),
-        aot.abstract(abstract_state, state_shardings), abstract_batch)
+    train_step = step.compile_train_step(cfg, graphdef, tx, abstract_state, state_shardings, mesh)
     print(f"compiled the train step in {time.perf_counter() - t0:.1f}s", flush=True)
     flops_per_step = metrics.model_flops_per_token(cfg, num_params) * cfg.batch_size * cfg.seq_len
     if args.compile_only:
@@ -72,13 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_lib.save(cfg, run_dir / "config.json")
     state = state_lib.create_state(cfg.model, cfg.seed, tx, state_shardings)
-    eval_step = aot.compile(
-        step.jit_eval_step(step.make_eval_step(graphdef, mesh, rules), state_shardings.params,
-                           batch_shardings, mesh),
-        aot.abstract(abstract_state.params, state_shardings.params), abstract_batch)
-    stream = data.SyntheticStream(cfg.model.vocab_size, cfg.seq_len, seed=cfg.data.seed,
-                                  branching=cfg.data.branching,
-                                  mean_doc_length=cfg.data.mean_doc_length)
+    eval_step = step.compile_eval_step(cfg, graphdef, abstract_state.params, state_shardings.params, mesh)
+    stream = data.SyntheticStream.from_config(cfg)
     peak, peak_source = metrics.peak_flops(cfg, list(mesh.devices.flat))
     print(f"MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source}); "
           f"the data's best possible loss is about {stream.entropy_floor:.3f}", flush=True)

@@ -28,6 +28,11 @@ class SyntheticStream:
         self.successors = table_rng.integers(1, vocab_size, size=(vocab_size, branching))
         self.entropy_floor = math.log(branching)
 
+    @classmethod
+    def from_config(cls, cfg) -> "SyntheticStream":
+        return cls(cfg.model.vocab_size, cfg.seq_len, seed=cfg.data.seed,
+                   branching=cfg.data.branching, mean_doc_length=cfg.data.mean_doc_length)
+
     def rows(self, step: int, start: int, stop: int, split: int = 0) -> dict[str, np.ndarray]:
         """Rows [start, stop) of the global batch of `step`; `split` tells train (0) from eval."""
         T = self.seq_len + 1  # one extra token: targets are inputs shifted by one
