@@ -1,32 +1,37 @@
 """hetjax's train step against a minimal hand-written jax + optax step, in one run.
 
     python -m bench.step_overhead [--config configs/tiny.py] [--steps N] [--warmup W]
-                                  [--repeats R] [--config.KEY=VALUE ...]
+                                  [--repeats R] [--constrain-baseline] [--config.KEY=VALUE ...]
 
 Both sides train the same model (the same NNX Decoder, graphdef and initial
 parameters) with the same optax chain (hetjax.optim.make_optimizer) on the same
 mesh, with the same state and batch shardings and the state donated:
 
 - hetjax: the real path of hetjax/train.py: abstract state, state shardings,
-  step.make_train_step + step.jit_train_step compiled by aot.compile; each step
+  step.compile_train_step (make_train_step, jit_train_step, aot.compile); each step
   makes its batch with data.global_batch (data generation is part of hetjax's
   cost) and reads the previous step's metrics to the host, as the loop does.
 - baseline: plain jax.value_and_grad of the masked mean token cross-entropy of
   nnx.merge(graphdef, params), tx.update, optax.apply_updates, under a plain
   jax.jit with the same in/out shardings and donation; no logical-axis
   constraints (no hetjax.sharding.logical_rules). Its batches are the same
-  ones, generated and placed on the devices beforehand, so it pays no data cost.
+  ones, made and placed on the devices before its clock starts: it pays no
+  data cost. Like hetjax's loop it keeps at most two steps in flight.
+  With --constrain-baseline it is traced under hetjax.sharding.logical_rules,
+  so on a multi-device mesh both compile to the same partitioning and the
+  ratio isolates hetjax's per-step host work (without it, the ratio on such a
+  mesh also measures what the constraints do for XLA's sharding propagation).
 
 Both start from identical states (two separate copies: donation consumes
 buffers) and see the same batch at every step. After W warmup steps each, R
 repeats of (hetjax N steps, baseline N steps) alternate; each side's figure is
-the median tokens/s of its repeats. The losses of the two sides are compared
-step by step (a warning is printed past 1e-4 relative), so the timing compares
+the median tokens/s of its repeats. Their losses after the same steps must
+agree within 1e-4 relative (else a warning is printed): the timing compares
 the same computation. The last line printed is the tokens/s ratio.
 
-Without --config the tiny config runs at a larger shape (DEFAULT_OVERRIDES) so
-that a step is more than dispatch; `--config configs/tiny.py` runs it as is.
---config.steps is set to W + R*N (the learning-rate schedule's length).
+Without --config the tiny config runs with a doubled batch (DEFAULT_OVERRIDES),
+about a minute on 2 CPU cores; `--config configs/tiny.py` runs it as is.
+The learning-rate schedule's length (config.steps) is set to W + R*N.
 """
 
 from __future__ import annotations
@@ -47,56 +52,52 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hetjax import config as config_lib
 from hetjax import data, optim, sharding, step
 from hetjax import state as state_lib
-from hetjax.compile import aot
 from hetjax.mesh import describe, make_mesh
 
 DEFAULT_CONFIG = "configs/tiny.py"
-# Applied only when no --config is given: tiny, widened so that the step's compute
-# is not negligible next to per-step host work, yet a run stays near a minute on
-# a 2-core CPU.
-DEFAULT_OVERRIDES = {
-    "model.num_layers": "4",
-    "model.embed_dim": "128",
-    "model.mlp_dim": "384",
-    "model.num_heads": "8",
-    "model.num_kv_heads": "4",
-    "batch_size": "32",
-    "seq_len": "128",
-}
-BENCH_FLAGS = {"--steps": 20, "--warmup": 5, "--repeats": 5}
+# Applied only when no --config is given: tiny with twice its batch, so that the
+# step is more than dispatch yet a run stays near a minute on a 2-core CPU.
+DEFAULT_OVERRIDES = {"batch_size": "32"}
+COUNTS = {"--steps": 10, "--warmup": 5, "--repeats": 14}  # and their defaults
 RTOL = 1e-4
 
 
-def parse_args(argv: list[str]) -> tuple[config_lib.Config, dict[str, int]]:
-    """Our --steps/--warmup/--repeats, then hetjax's --config parsing for the rest."""
-    counts, rest = dict(BENCH_FLAGS), []
+def parse_args(argv: list[str]) -> tuple[config_lib.Config, dict]:
+    """Our --steps/--warmup/--repeats/--constrain-baseline, then hetjax's --config
+    parsing for the rest. --config.steps becomes W + R*N, the schedule's length."""
+    opts, rest = {**COUNTS, "--constrain-baseline": False}, []
     args = list(argv)
     while args:
         arg = args.pop(0)
         key, eq, value = arg.partition("=")
-        if key in counts:
+        if arg == "--constrain-baseline":
+            opts[arg] = True
+        elif key in COUNTS:
             if not eq:
                 if not args:
                     raise config_lib.ConfigError(f"{arg}: give a value, e.g. {arg}=10")
                 value = args.pop(0)
             try:
-                counts[key] = int(value)
+                opts[key] = int(value)
             except ValueError:
                 raise config_lib.ConfigError(f"{key}={value!r}: expected an integer") from None
-            if counts[key] < (0 if key == "--warmup" else 1):
+            if opts[key] < (0 if key == "--warmup" else 1):
                 raise config_lib.ConfigError(f"{key}={value}: too small")
-        else:
+        elif key == "--config" or key.startswith("--config.") or not key.startswith("--"):
             rest.append(arg)
+        else:
+            raise config_lib.ConfigError(
+                f"unknown argument {arg!r}; known: --config, --config.KEY=VALUE, "
+                f"{', '.join(COUNTS)}, --constrain-baseline")
     has_config = any(a == "--config" or a.startswith("--config=") for a in rest)
     cmd = config_lib.parse_command_line(rest if has_config else ["--config", DEFAULT_CONFIG] + rest,
                                         flags=())
     overrides = cmd.overrides if has_config else {**DEFAULT_OVERRIDES, **cmd.overrides}
     cfg = config_lib.load(cmd.config, overrides)
-    counts = {k.removeprefix("--"): v for k, v in counts.items()}
-    total = counts["warmup"] + counts["repeats"] * counts["steps"]
-    cfg = dataclasses.replace(cfg, steps=total)
+    opts = {k.removeprefix("--").replace("-", "_"): v for k, v in opts.items()}
+    cfg = dataclasses.replace(cfg, steps=opts["warmup"] + opts["repeats"] * opts["steps"])
     config_lib.validate(cfg)
-    return cfg, counts
+    return cfg, opts
 
 
 # ---------------------------------------------------------------------------
@@ -107,26 +108,15 @@ class Hetjax:
     def __init__(self, cfg: config_lib.Config, mesh):
         self.cfg = cfg
         rules = cfg.sharding.rules
-        schedule = optim.learning_rate_schedule(cfg.optim, cfg.steps)
         self.tx = optim.make_optimizer(cfg.optim, cfg.steps)
         sharding.check_divisible(cfg.model.dims(), rules, mesh)
         self.graphdef, abstract_state = state_lib.abstract_state(cfg.model, cfg.seed, self.tx)
         self.state_shardings = state_lib.state_shardings(abstract_state, mesh, rules)
         self.batch_shardings = step.batch_shardings(mesh, rules)
-        abstract_batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32, sharding=s)
-                          for k, s in self.batch_shardings.items()}
-        t0 = time.perf_counter()
-        self.train_step = aot.compile(
-            step.jit_train_step(
-                step.make_train_step(self.graphdef, self.tx, schedule, mesh, rules,
-                                     cfg.optim.grad_accum_steps),
-                self.state_shardings, self.batch_shardings, mesh),
-            aot.abstract(abstract_state, self.state_shardings), abstract_batch)
-        self.compile_s = time.perf_counter() - t0
+        self.train_step = step.compile_train_step(cfg, self.graphdef, self.tx, abstract_state,
+                                                  self.state_shardings, mesh)
         self.num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_state.params))
-        self.stream = data.SyntheticStream(cfg.model.vocab_size, cfg.seq_len, seed=cfg.data.seed,
-                                           branching=cfg.data.branching,
-                                           mean_doc_length=cfg.data.mean_doc_length)
+        self.stream = data.SyntheticStream.from_config(cfg)
         self.state = self.create_state()
 
     def create_state(self) -> state_lib.TrainState:
@@ -162,8 +152,9 @@ class Hetjax:
 
 
 class Baseline:
-    def __init__(self, het: Hetjax, mesh, batches: list[dict[str, jax.Array]]):
+    def __init__(self, het: Hetjax, mesh, constrain: bool = False):
         graphdef, tx = het.graphdef, het.tx
+        rules = het.cfg.sharding.rules
 
         def loss_fn(params, batch):
             logits = nnx.merge(graphdef, params)(batch["inputs"], batch["positions"],
@@ -173,7 +164,11 @@ class Baseline:
             return jnp.sum(token_loss * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
         def train_step(params, opt_state, batch):
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            if constrain:
+                with sharding.logical_rules(mesh, rules):
+                    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            else:
+                loss, grads = jax.value_and_grad(loss_fn)(params, batch)
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
@@ -184,15 +179,23 @@ class Baseline:
                          donate_argnums=(0, 1))
         state = het.create_state()  # a second, identical copy
         self.params, self.opt_state = state.params, state.opt_state
-        self.train_step = jitted.lower(self.params, self.opt_state, batches[0]).compile()
-        self.batches = batches
+        abstract_batch = step.abstract_batch(het.cfg.batch_size, het.cfg.seq_len,
+                                             het.batch_shardings)
+        self.train_step = jitted.lower(self.params, self.opt_state, abstract_batch).compile()
+        self.het = het
 
     def run(self, first: int, n: int) -> tuple[float, list[float]]:
+        """Steps first..first+n-1 on hetjax's very batches, made and placed on the
+        devices before the clock starts: (seconds, losses)."""
+        batches = jax.block_until_ready([self.het.batch(s) for s in range(first, first + n)])
         losses = []
         t0 = time.perf_counter()
-        for s in range(first, first + n):
-            self.params, self.opt_state, loss = self.train_step(self.params, self.opt_state,
-                                                                self.batches[s])
+        for batch in batches:
+            self.params, self.opt_state, loss = self.train_step(self.params, self.opt_state, batch)
+            # At most two steps in flight, as in hetjax's loop (also, deep queues of
+            # collectives can deadlock XLA:CPU's virtual devices).
+            if losses:
+                losses[-1].block_until_ready()
             losses.append(loss)
         jax.block_until_ready((self.params, self.opt_state, losses))
         seconds = time.perf_counter() - t0
@@ -203,18 +206,17 @@ class Baseline:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, counts = parse_args(sys.argv[1:] if argv is None else argv)
-    n, warmup, repeats = counts["steps"], counts["warmup"], counts["repeats"]
+    cfg, opts = parse_args(sys.argv[1:] if argv is None else argv)
+    n, warmup, repeats = opts["steps"], opts["warmup"], opts["repeats"]
     mesh = make_mesh(cfg.mesh)
     het = Hetjax(cfg, mesh)
-    # The baseline's batches: the very same ones, made and placed before timing.
-    batches = [het.batch(s) for s in range(cfg.steps)]
-    jax.block_until_ready(batches)
-    base = Baseline(het, mesh, batches)
+    base = Baseline(het, mesh, opts["constrain_baseline"])
     devices = mesh.devices.flat
     print(f"{cfg.name}: {het.num_params:,} parameters, batch {cfg.batch_size} x {cfg.seq_len}, "
           f"mesh {describe(mesh)} over {mesh.size} {devices[0].platform} device(s) "
-          f"({devices[0].device_kind}); {warmup} warmup, {repeats} x {n} steps each", flush=True)
+          f"({devices[0].device_kind}); {warmup} warmup, {repeats} x {n} steps each; baseline "
+          f"{'with' if opts['constrain_baseline'] else 'without'} logical-axis constraints",
+          flush=True)
 
     losses = {"hetjax": [], "baseline": []}
     seconds = {"hetjax": [], "baseline": []}

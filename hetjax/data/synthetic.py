@@ -64,16 +64,25 @@ class SyntheticStream:
 
 def global_batch(stream: SyntheticStream, step: int, batch_size: int, shardings: dict,
                  split: int = 0) -> dict[str, jax.Array]:
-    """The global batch of `step` as sharded arrays; this process generates only the
-    rows its own devices hold."""
-    cache: dict[tuple[int, int], dict] = {}
-
-    def rows(index):
-        start, stop, _ = index[0].indices(batch_size)
-        if (start, stop) not in cache:
-            cache[(start, stop)] = stream.rows(step, start, stop, split)
-        return cache[(start, stop)]
-
+    """The global batch of `step` as sharded arrays. This process generates only
+    the rows its own devices hold, each contiguous run of them in one call."""
     shape = (batch_size, stream.seq_len)
-    return {k: jax.make_array_from_callback(shape, s, lambda idx, k=k: rows(idx)[k][:, idx[1]])
+    assert len(set(shardings.values())) == 1, "every batch field is laid out alike"
+    any_sharding = next(iter(shardings.values()))
+    ranges = sorted({idx[0].indices(batch_size)[:2]
+                     for idx in any_sharding.addressable_devices_indices_map(shape).values()})
+    spans: list[list[int]] = []
+    for start, stop in ranges:
+        if spans and start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], stop)
+        else:
+            spans.append([start, stop])
+    blocks = [(a, stream.rows(step, a, b, split)) for a, b in spans]
+
+    def rows(key, index):
+        start, stop, _ = index[0].indices(batch_size)
+        first, block = next((a, blk) for a, blk in blocks if a <= start and stop <= a + len(blk[key]))
+        return block[key][start - first:stop - first, index[1]]
+
+    return {k: jax.make_array_from_callback(shape, s, lambda idx, k=k: rows(k, idx))
             for k, s in shardings.items()}
