@@ -40,7 +40,7 @@ class Estimate:
         return f"{self.total / GiB:.2f} GiB per device ({parts})"
 
 
-def _activation_bytes_per_layer_token(cfg: Config, tensor: int) -> float:
+def _activation_bytes_per_layer_token(cfg: Config, tensor: int, remat: str) -> float:
     m = cfg.model
     width = np.dtype(m.dtype).itemsize
     heads = m.num_heads * m.head_dim / tensor
@@ -53,7 +53,7 @@ def _activation_bytes_per_layer_token(cfg: Config, tensor: int) -> float:
         "dots": 2 * m.embed_dim + 2 * heads + kv + 2 * mlp,
         "dots_no_batch": 2 * m.embed_dim + heads + kv + 2 * mlp,
         "full": m.embed_dim,  # the layer's input only; the rest is recomputed
-    }[m.remat]
+    }[remat]
     return saved * width
 
 
@@ -64,12 +64,11 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     tensor = mesh.shape["tensor"]
     tokens = math.ceil(cfg.batch_size / cfg.optim.grad_accum_steps / batch_shards) * cfg.seq_len
-    per_token_layer = _activation_bytes_per_layer_token(cfg, tensor)
+    per_token_layer = _activation_bytes_per_layer_token(cfg, tensor, cfg.model.remat)
     m = cfg.model
     # One layer's full working set is live while the backward pass recomputes or
     # consumes it, plus fp32 logits and their gradient.
-    working = _activation_bytes_per_layer_token(
-        dataclasses.replace(cfg, model=dataclasses.replace(m, remat="none")), tensor)
+    working = _activation_bytes_per_layer_token(cfg, tensor, "none")
     logits = 2 * 4 * m.vocab_size / tensor
     activations = tokens * (m.num_layers * per_token_layer + working + logits)
     return Estimate(

@@ -16,8 +16,8 @@ import numpy as np
 
 from hetjax import config as config_lib
 from hetjax import data, memory, metrics, optim, sharding, step
-from hetjax.compile import aot
 from hetjax import state as state_lib
+from hetjax.compile import aot
 from hetjax.mesh import describe, make_mesh
 
 
