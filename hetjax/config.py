@@ -119,6 +119,16 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompileConfig:
+    """Which backend profile (XLA flags, env vars) is set before jax starts, and the cache."""
+
+    platform: str = "auto"  # auto (detect the installed plugin) | cpu | cuda | rocm
+    deterministic: bool = False  # the profile's deterministic variant (repeatable reductions)
+    cache: bool = True  # jax's persistent compilation cache
+    cache_dir: str = ""  # "": <parent of run_dir>/.jax_cache/<platform>-jax<version>
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     name: str = "tiny"
     model: ModelConfig = ModelConfig()
@@ -126,6 +136,7 @@ class Config:
     sharding: ShardingConfig = ShardingConfig()
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
+    compile: CompileConfig = CompileConfig()
     seed: int = 0  # parameter initialisation
     steps: int = 100
     batch_size: int = 8  # global, in sequences
@@ -298,6 +309,9 @@ def validate(cfg: Config) -> None:
             f"config.sharding.max_replicated_fraction={cfg.sharding.max_replicated_fraction}: "
             f"must lie in [0, 1]")
     _validate_rules(cfg.sharding.rules, m)
+    from hetjax.compile import profiles  # no jax import: safe before the backend starts
+    if cfg.compile.platform != "auto":
+        profiles.check_platform(cfg.compile.platform, "config.compile.platform")
 
 
 def _validate_rules(rules, m: ModelConfig) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 from hetjax import config as config_lib
 from hetjax import data, memory, metrics, optim, sharding, step
 from hetjax import state as state_lib
-from hetjax.compile import aot
+from hetjax.compile import aot, backend
 from hetjax.mesh import describe, make_mesh
 
 
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args = config_lib.parse_command_line(sys.argv[1:] if argv is None else argv)
     cfg = config_lib.load(args.config, args.overrides)
     config_lib.validate(cfg)
+    print(backend.start(cfg), flush=True)  # XLA flags and env before jax touches a device
 
     # Everything below up to create_state is abstract: no parameter is allocated.
     mesh = make_mesh(cfg.mesh)

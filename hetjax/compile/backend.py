@@ -1,0 +1,177 @@
+"""Puts a backend profile in force before jax creates its backends.
+
+XLA reads XLA_FLAGS, and NCCL/RCCL read their variables, once: when jax first
+creates a backend (the first `jax.devices()`, array or compile). Importing jax is
+fine; touching a device first is not, and `apply` refuses if that already happened
+with other flags. Order in a program:
+
+    profile, source = backend.resolve(cfg.compile)   # detection touches no device
+    backend.apply(profile)                           # env + jax config
+    ... jax.devices(), compile, train ...
+
+Islands (#8) call `apply(profiles.get(island.platform, deterministic))` in each
+island's own process; repro (#9) sets `config.compile.deterministic=True`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import os
+import pkgutil
+import re
+
+from hetjax.compile import profiles
+from hetjax.config import CompileConfig, ConfigError
+
+
+class BackendStarted(RuntimeError):
+    """jax's backends already exist, so a profile's XLA flags can no longer apply."""
+
+
+# pip names of jax's PJRT plugins, e.g. jax-cuda12-plugin, jax-cuda13-pjrt, jax-rocm7-plugin,
+# and the modules they install under the jax_plugins namespace (xla_cuda12, xla_rocm7).
+_PLUGIN_DIST = re.compile(r"^jax[-_](cuda|rocm)\d*[-_](plugin|pjrt)$")
+_PLUGIN_MODULE = re.compile(r"^xla_(cuda|rocm)\d*$")
+
+
+def installed_plugins() -> dict[str, str]:
+    """platform -> what shows it is installed, found without starting any backend."""
+    found: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        m = _PLUGIN_DIST.match(name)
+        if m:
+            found.setdefault(m.group(1), f"{name} is installed")
+    if importlib.util.find_spec("jax_plugins") is not None:
+        import jax_plugins  # a namespace package: importing it loads no plugin
+        for module in pkgutil.iter_modules(jax_plugins.__path__):
+            m = _PLUGIN_MODULE.match(module.name)
+            if m:
+                found.setdefault(m.group(1), f"jax_plugins.{module.name} is installed")
+    return found
+
+
+def detect(environ=None) -> tuple[str, str]:
+    """(platform, why) from JAX_PLATFORMS or the installed jax plugins; cpu otherwise."""
+    environ = os.environ if environ is None else environ
+    requested = [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if requested and requested[0] in profiles.PLATFORMS:
+        return requested[0], f"JAX_PLATFORMS={environ['JAX_PLATFORMS']}"
+    plugins = installed_plugins()
+    if len(plugins) > 1:
+        raise ConfigError(
+            f"both a CUDA and a ROCm jax plugin are installed ({'; '.join(plugins.values())}), "
+            f"so the platform cannot be detected; set config.compile.platform to cuda or rocm")
+    if plugins:
+        (platform, why), = plugins.items()
+        return platform, why
+    return "cpu", "no GPU plugin for jax is installed"
+
+
+def resolve(compile_cfg: CompileConfig, environ=None) -> tuple[profiles.Profile, str]:
+    """The profile the config asks for (or detection finds), and why it was chosen."""
+    if compile_cfg.platform == "auto":
+        platform, why = detect(environ)
+        why = f"detected: {why}"
+    else:
+        platform = profiles.check_platform(compile_cfg.platform, "config.compile.platform")
+        why = "config.compile.platform"
+    return profiles.get(platform, compile_cfg.deterministic), why
+
+
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    """What `apply` put in force, and what the user's environment kept."""
+
+    profile: profiles.Profile
+    why: str
+    kept: tuple[str, ...]  # flags/variables the user had set differently: theirs win
+
+    def describe(self) -> str:
+        p = self.profile
+        parts = [f"backend profile {p.name} ({self.why})",
+                 "XLA_FLAGS: " + (" ".join(p.xla_flags) or "(none)")]
+        if p.env:
+            parts.append("env: " + " ".join(f"{k}={v}" for k, v in p.env))
+        if p.jax_config:
+            parts.append("jax: " + " ".join(f"{k}={v}" for k, v in p.jax_config))
+        if self.kept:
+            parts.append("kept from your environment: " + " ".join(self.kept))
+        return "; ".join(parts)
+
+
+def _flag_dict(text: str) -> dict[str, str]:
+    return dict((f.split("=", 1) + [""])[:2] for f in text.split())
+
+
+def backends_started() -> bool:
+    from jax._src import xla_bridge
+    return xla_bridge.backends_are_initialized()
+
+
+def apply(profile: profiles.Profile, why: str = "", environ=None) -> Applied:
+    """Appends the profile's XLA flags to XLA_FLAGS, sets its env vars and jax options.
+
+    A flag or variable the user already set keeps the user's value. Raises
+    BackendStarted if jax's backends exist and the flags are not already in force.
+    """
+    import jax
+    environ = os.environ if environ is None else environ
+    current = _flag_dict(environ.get("XLA_FLAGS", ""))
+    kept, add = [], []
+    for flag in profile.xla_flags:
+        name, value = flag.split("=", 1)
+        if name not in current:
+            add.append(flag)
+        elif current[name] != value:
+            kept.append(f"{name}={current[name]}")
+    if add and backends_started():
+        raise BackendStarted(
+            f"jax's backends were created before the {profile.name} profile was applied, so its "
+            f"XLA flags ({' '.join(add)}) cannot take effect; apply the profile before anything "
+            f"calls jax.devices() or runs a jax computation")
+    if add:
+        environ["XLA_FLAGS"] = " ".join([environ.get("XLA_FLAGS", "").strip(), *add]).strip()
+    for key, value in profile.env:
+        if key in environ and environ[key] != value:
+            kept.append(f"{key}={environ[key]}")
+        environ.setdefault(key, value)
+    for name, value in profile.jax_config:
+        jax.config.update(name, value)
+    return Applied(profile, why, tuple(kept))
+
+
+def setup(compile_cfg: CompileConfig, environ=None) -> Applied:
+    """resolve + apply: the one call a program makes before it touches a device."""
+    profile, why = resolve(compile_cfg, environ)
+    return apply(profile, why, environ)
+
+
+def virtual_cpu_devices(count: int, environ=None) -> None:
+    """Makes jax start with `count` virtual CPU devices (for lowering without hardware)."""
+    environ = os.environ if environ is None else environ
+    if backends_started():
+        import jax
+        if jax.device_count() != count or jax.default_backend() != "cpu":
+            raise BackendStarted(
+                f"need {count} virtual CPU devices, but jax already started with "
+                f"{jax.device_count()} {jax.default_backend()} device(s); run in a fresh process")
+        return
+    flags = {k: v for k, v in _flag_dict(environ.get("XLA_FLAGS", "")).items()
+             if k != "--xla_force_host_platform_device_count"}
+    flags["--xla_force_host_platform_device_count"] = str(count)
+    environ["XLA_FLAGS"] = " ".join(f"{k}={v}" if v else k for k, v in flags.items())
+    environ["JAX_PLATFORMS"] = "cpu"
+
+
+def start(cfg) -> str:
+    """The profile and the compilation cache for a run of `cfg`; returns the start-up line."""
+    from hetjax.compile import cache
+    applied = setup(cfg.compile)
+    line = applied.describe()
+    if cfg.compile.cache:
+        path = cache.enable(cache.directory(cfg.compile.cache_dir, cfg.run_dir, applied.profile.platform))
+        line += f"; compilation cache: {path}"
+    return line
