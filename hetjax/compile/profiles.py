@@ -110,7 +110,7 @@ def check_platform(platform: str, field: str = "platform") -> str:
     """Returns `platform` if it has a profile, else raises naming `field`."""
     if platform not in PLATFORMS:
         import difflib
-        close = difflib.get_close_matches(platform, PLATFORMS + ("gpu",), n=1)
+        close = difflib.get_close_matches(platform, PLATFORMS, n=1)
         hint = (" ('gpu' is ambiguous: choose cuda or rocm)" if platform == "gpu" else
                 f" (did you mean {close[0]!r}?)" if close else "")
         raise UnknownPlatform(

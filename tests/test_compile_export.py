@@ -1,0 +1,115 @@
+"""Ahead-of-time export: artifacts for other platforms, the manifest, refusals, and
+the cpu artifact running bit for bit like the jitted step."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hetjax import data, step
+from hetjax import state as state_lib
+from hetjax.compile import aot, cli, export
+from hetjax.compile.__main__ import main as compile_main
+from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig
+from hetjax.mesh import make_mesh
+from hetjax.optim import learning_rate_schedule
+
+CFG = Config(
+    model=ModelConfig(vocab_size=64, num_layers=2, embed_dim=32, mlp_dim=64, num_heads=4,
+                      num_kv_heads=2, head_dim=8),
+    mesh=MeshConfig(data=2, fsdp=4, tensor=1),
+    optim=OptimConfig(learning_rate=1e-2, warmup_steps=1),
+    batch_size=8, seq_len=16, steps=3)
+
+
+def test_export_for_gpus_writes_a_manifest_that_round_trips(tmp_path):
+    mesh = make_mesh(CFG.mesh)
+    manifest = export.export(CFG, mesh, ("cuda", "rocm"), tmp_path)
+    assert export.read_manifest(tmp_path) == json.loads(json.dumps(manifest))
+    assert manifest["platforms"] == ["cuda", "rocm"] and manifest["jax_version"] == jax.__version__
+    assert manifest["mesh"]["shape"] == {"pipeline": 1, "data": 2, "fsdp": 4, "tensor": 1}
+    # Inputs: every state leaf then the batch, with the shapes the config implies.
+    prog = aot.program(CFG, mesh)
+    leaves = jax.tree.leaves(prog.state)
+    train = manifest["functions"]["train_step"]
+    assert len(train["inputs"]) == len(leaves) + len(step.BATCH_KEYS)
+    for record, leaf in zip(train["inputs"], leaves):
+        assert tuple(record["shape"]) == leaf.shape and record["dtype"] == str(leaf.dtype)
+    embed = next(r for r in train["inputs"] if r["path"].startswith(".params['embed_VD']"))
+    assert embed["spec"] == "('tensor', 'fsdp')"  # (vocab, embed) by the default rules
+    assert train["inputs"][-1]["spec"] == "(('data', 'fsdp'), None)"  # the batch
+    assert [r["path"] for r in train["inputs"][-5:]] == [f"batch[{k!r}]" for k in sorted(step.BATCH_KEYS)]
+    assert [r["path"] for r in manifest["functions"]["eval_step"]["outputs"]] == ["['loss_sum']", "['tokens']"]
+    assert {r["shape"] == [8, 16] for r in train["inputs"][-5:]} == {True}
+    # This CPU process may not run a cuda/rocm artifact.
+    with pytest.raises(export.ArtifactMismatch, match=r"for platforms \['cuda', 'rocm'\].*on 'cpu'"):
+        export.load(tmp_path, CFG, mesh)
+
+
+def test_cpu_artifact_matches_the_jitted_step_bit_for_bit(tmp_path):
+    mesh = make_mesh(CFG.mesh)
+    export.export(CFG, mesh, ("cpu", "cuda", "rocm"), tmp_path)
+    loaded = export.load(tmp_path, CFG, mesh)
+    prog = aot.program(CFG, mesh)
+    fn = step.make_train_step(prog.graphdef, prog.tx, learning_rate_schedule(CFG.optim, CFG.steps),
+                              mesh, CFG.sharding.rules)
+    jitted = step.jit_train_step(fn, prog.state_shardings, prog.batch_shardings, mesh)
+    eval_jitted = step.jit_eval_step(step.make_eval_step(prog.graphdef, mesh, CFG.sharding.rules),
+                                     prog.state_shardings.params, prog.batch_shardings, mesh)
+    ours = state_lib.create_state(CFG.model, CFG.seed, prog.tx, prog.state_shardings)
+    # Two copies (both steps donate their state), made by one program.
+    theirs = jax.jit(lambda t: jax.tree.map(jnp.copy, t))(ours)
+    stream = data.SyntheticStream(CFG.model.vocab_size, CFG.seq_len, seed=0)
+    for s in range(2):
+        batch = data.global_batch(stream, s, CFG.batch_size, prog.batch_shardings)
+        ours, m_ours = loaded.train_step(ours, batch)
+        theirs, m_theirs = jitted(theirs, batch)
+        for a, b in zip(jax.tree.leaves((ours, m_ours)), jax.tree.leaves((theirs, m_theirs)), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(ours.step) == 2
+    assert ours.params["embed_VD"].sharding.is_equivalent_to(theirs.params["embed_VD"].sharding, 2)
+    e1, e2 = loaded.eval_step(ours.params, batch), eval_jitted(theirs.params, batch)
+    assert float(e1["loss_sum"]) == float(e2["loss_sum"]) and float(e1["tokens"]) == float(e2["tokens"])
+
+
+def test_loading_refuses_other_meshes_jax_versions_configs_and_corruption(tmp_path):
+    mesh = make_mesh(CFG.mesh)
+    export.export(CFG, mesh, ("cpu",), tmp_path)
+    other_mesh = make_mesh(MeshConfig(data=4, fsdp=2, tensor=1))
+    with pytest.raises(export.ArtifactMismatch, match=r"mesh pipeline=1,data=2,fsdp=4,tensor=1.*"
+                                                      r"data=4,fsdp=2,tensor=1"):
+        export.load(tmp_path, CFG, other_mesh)
+    changed = dataclasses.replace(CFG, optim=dataclasses.replace(CFG.optim, learning_rate=0.5))
+    with pytest.raises(export.ArtifactMismatch, match=r"config\.optim\.learning_rate"):
+        export.load(tmp_path, changed, mesh)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "jax_version": "0.9.0"}))
+    with pytest.raises(export.ArtifactMismatch, match=r"jax 0\.9\.0, but this is jax"):
+        export.load(tmp_path, CFG, mesh)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    blob = bytearray((tmp_path / "train_step.jax").read_bytes())
+    blob[len(blob) // 2] ^= 1
+    (tmp_path / "train_step.jax").write_bytes(bytes(blob))
+    with pytest.raises(export.ArtifactMismatch, match="sha256"):
+        export.load(tmp_path, CFG, mesh)
+
+
+def test_command_line_bad_input(tmp_path, capsys):
+    run = lambda *a: cli.run(compile_main, ["--config", "tiny", "--out", str(tmp_path), *a])  # noqa: E731
+    assert run("--platforms", "cuda,tpu", "--devices", "8") == 2
+    assert "--platforms='tpu'" in capsys.readouterr().err
+    assert run("--platforms", "cuda") == 2
+    assert "give --devices N" in capsys.readouterr().err
+    assert run("--platforms", "cuda", "--devices", "8", "--config.mesh.data=3") == 2
+    assert "does not divide the 8 devices" in capsys.readouterr().err
+    assert run("--platforms", "rocm", "--devices", "8", "--config.mesh.tensor=8") == 2
+    assert "config.model.num_heads=4 does not split over config.mesh.tensor=8" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before anything was written
+    assert run("--platforms", "cuda,rocm", "--devices", "8", "--config.model.num_layers=1") == 0
+    assert "train_step of tiny for cuda,rocm" in capsys.readouterr().out
+    assert export.read_manifest(tmp_path)["config"]["model"]["num_layers"] == 1
+    with pytest.raises(ConfigError, match="--devices=0"):
+        cli.device_count(CFG, 0)
