@@ -11,11 +11,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-# Dense bf16 peak per device, FLOP/s, from the vendors' data sheets.
-PEAK_FLOPS = {
-    "H200": 989e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12,
-    "L40S": 362e12, "MI325X": 1307e12, "MI300X": 1307e12, "MI250X": 191.5e12, "MI210": 181e12,
-}
+from hetjax.compile import hardware
+
+# Dense bf16 peak per device, FLOP/s, from the vendors' data sheets (hetjax.compile.hardware).
+PEAK_FLOPS = {name: hw.peak_flops for name, hw in hardware.TABLE.items()}
 
 
 def model_flops_per_token(cfg, num_params: int) -> float:

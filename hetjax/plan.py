@@ -1,0 +1,55 @@
+"""Plans a sharding before booking a cluster:
+
+    python -m hetjax.plan --config configs/llama8b.py --devices 64 --mesh data=2,fsdp=8,tensor=4
+    python -m hetjax.plan --config llama8b --devices 64 --mesh "fsdp=64;data=2,fsdp=32;fsdp=16,tensor=4"
+
+Compiles the train step on --devices virtual CPU devices with abstract inputs for
+each mesh, prints a table of per-device memory, FLOPs, collective traffic and an
+estimated step time and MFU per accelerator, and writes OUT/plan.json (and, for a
+sweep, OUT/plan.png). Allocates no parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hetjax.compile import backend, cli
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hetjax.plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--devices", type=int, help="device count (default: config.mesh)")
+    parser.add_argument("--mesh", action="append", default=[],
+                        help="AXIS=SIZE,... (repeat, or separate meshes by ';'); default config.mesh")
+    parser.add_argument("--hardware", default="H100,A100,MI250X,MI300X", help="comma-separated")
+    parser.add_argument("--out", help="directory for plan.json / plan.png (default plans/<config>)")
+    ns, cfg = cli.parse(parser, argv)
+    from hetjax.compile import hardware, plan
+    devices = cli.device_count(cfg, ns.devices)
+    texts = [m for arg in ns.mesh for m in arg.split(";") if m.strip()]
+    meshes = [plan.parse_mesh(t, devices) for t in texts] or [cfg.mesh]
+    names = [hardware.get(h.strip()).name for h in ns.hardware.split(",")]
+    backend.virtual_cpu_devices(devices)
+    import dataclasses
+    from hetjax.mesh import make_mesh
+    reports = []
+    for mesh_cfg in meshes:
+        reports.append(plan.plan(dataclasses.replace(cfg, mesh=mesh_cfg), make_mesh(mesh_cfg), names))
+        print(f"planned {reports[-1]['config']} on {reports[-1]['mesh']}", file=sys.stderr, flush=True)
+    print(plan.table(reports))
+    out = Path(ns.out or f"plans/{cfg.name}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(reports, indent=1) + "\n")
+    written = [out / "plan.json"]
+    if len(reports) > 1:
+        plan.plot(reports, out / "plan.png")
+        written.append(out / "plan.png")
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))
