@@ -32,8 +32,8 @@ def make_step(cfg, jit=True):
     fn = step.make_train_step(graphdef, tx, learning_rate_schedule(cfg.optim, cfg.steps), mesh,
                               rules, cfg.optim.grad_accum_steps)
     batch_sh = step.batch_shardings(mesh, rules)
-    stream = data.SyntheticStream(cfg.model.vocab_size, cfg.seq_len, seed=0)
-    batches = [data.global_batch(stream, s, cfg.batch_size, batch_sh) for s in range(cfg.steps)]
+    stream = data.build(cfg)
+    batches = [stream.batch(s, batch_sh) for s in range(cfg.steps)]
     return fn, shardings, batch_sh, mesh, state, batches
 
 
