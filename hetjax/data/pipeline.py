@@ -161,9 +161,6 @@ def build(cfg) -> Data:
         else:
             train, held_out = _split(train, d.eval_fraction, d.seed)
         tokenizers.check_vocab(train, cfg.model.vocab_size, f"the data of config.data.path={d.path!r}")
-        if (train.lengths + 1).sum() <= cfg.seq_len or (held_out.lengths + 1).sum() <= cfg.seq_len:
-            raise ConfigError(f"config.data.path={d.path!r}: a split holds fewer tokens than one row "
-                              f"(config.seq_len={cfg.seq_len}); add data or lower config.seq_len")
         fingerprint = train.fingerprint
         description = f"{d.source} {d.path} ({len(train):,} train / {len(held_out):,} eval documents)"
     key = json.dumps([fingerprint, d.seed, d.shuffle, cfg.seq_len, cfg.batch_size])

@@ -113,7 +113,7 @@ class TextSource:
         else:
             index = self._build_index(skip_bad)
             _save_atomic(cache, index)
-        self.file_ids, self.offsets, self.sizes = index["file"], index["offset"], index["size"]
+        self.file_ids, self.offsets, self.sizes = index["file_id"], index["offset"], index["size"]
         self.lengths = index["tokens"]
         self.skipped = int(index["skipped"])
         if not len(self.lengths):
@@ -130,7 +130,7 @@ class TextSource:
         if skipped:
             print(f"skipped {len(skipped)} bad line(s) in total", flush=True)
         cols = np.asarray(rows, np.int64).reshape(-1, 4)
-        return {"file": cols[:, 0], "offset": cols[:, 1], "size": cols[:, 2], "tokens": cols[:, 3],
+        return {"file_id": cols[:, 0], "offset": cols[:, 1], "size": cols[:, 2], "tokens": cols[:, 3],
                 "skipped": np.int64(len(skipped))}
 
     def __getstate__(self):  # open files stay in their process
