@@ -6,7 +6,6 @@ import math
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -109,10 +108,11 @@ def test_attention_never_crosses_a_document_boundary():
                     rngs=nnx.Rngs(0))
     seg = rows["segment_ids"]
     assert seg.max() >= 3
-    base = model(jnp.asarray(rows["inputs"]), jnp.asarray(rows["positions"]), jnp.asarray(seg))
+    graphdef, params = nnx.split(model)
+    logits = jax.jit(lambda x: nnx.merge(graphdef, params)(x, rows["positions"], seg))
+    base = logits(rows["inputs"])
     for target in (1, 2):
-        changed = np.where(seg == target, (rows["inputs"] + 7) % 128, rows["inputs"])
-        out = model(jnp.asarray(changed), jnp.asarray(rows["positions"]), jnp.asarray(seg))
+        out = logits(np.where(seg == target, (rows["inputs"] + 7) % 128, rows["inputs"]))
         same = np.isclose(np.asarray(out), np.asarray(base), atol=1e-6).all(-1)
         np.testing.assert_array_equal(same, seg != target)
 
@@ -164,7 +164,7 @@ def test_batches_are_the_same_on_every_mesh_and_worker_count(workers):
     d = data.build(CFG)
     expected = reference_batches(d, range(4))
     meshes = [MeshConfig(data=1, fsdp=8), MeshConfig(data=4, fsdp=2), MeshConfig(data=4, tensor=2, fsdp=1)]
-    for mesh_cfg in meshes[:2] if workers else meshes:
+    for mesh_cfg in meshes[1:2] if workers else meshes:  # worker start-up is slow
         sh = step.batch_shardings(make_mesh(mesh_cfg), DEFAULT_RULES)
         it = pipeline.DataIterator(d.train, 8, sh, fingerprint=d.fingerprint, num_workers=workers)
         try:
