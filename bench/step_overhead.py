@@ -9,7 +9,7 @@ mesh, with the same state and batch shardings and the state donated:
 
 - hetjax: the real path of hetjax/train.py: abstract state, state shardings,
   step.compile_train_step (make_train_step, jit_train_step, aot.compile); each step
-  makes its batch with data.global_batch (data generation is part of hetjax's
+  takes its batch from the grain data iterator (data loading is part of hetjax's
   cost) and reads the previous step's metrics to the host, as the loop does.
 - baseline: plain jax.value_and_grad of the masked mean token cross-entropy of
   nnx.merge(graphdef, params), tx.update, optax.apply_updates, under a plain
@@ -116,14 +116,14 @@ class Hetjax:
         self.train_step = step.compile_train_step(cfg, self.graphdef, self.tx, abstract_state,
                                                   self.state_shardings, mesh)
         self.num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_state.params))
-        self.stream = data.SyntheticStream.from_config(cfg)
+        self.data = data.build(cfg)
         self.state = self.create_state()
 
     def create_state(self) -> state_lib.TrainState:
         return state_lib.create_state(self.cfg.model, self.cfg.seed, self.tx, self.state_shardings)
 
     def batch(self, s: int) -> dict[str, jax.Array]:
-        return data.global_batch(self.stream, s, self.cfg.batch_size, self.batch_shardings)
+        return self.data.batch(s, self.batch_shardings)
 
     def run(self, first: int, n: int) -> tuple[float, list[float]]:
         """Steps first..first+n-1 as the loop runs them: (seconds, losses)."""
@@ -135,16 +135,18 @@ class Hetjax:
                 raise FloatingPointError(f"hetjax loss is {values['loss']}")
             losses.append(float(values["loss"]))
 
+        batches = self.data.iterator(self.batch_shardings, first)
         t0 = time.perf_counter()
         previous = None
         for s in range(first, first + n):
-            batch = self.batch(s)
-            self.state, step_metrics = self.train_step(self.state, batch)
+            self.state, step_metrics = self.train_step(self.state, next(batches))
             if previous is not None:  # one step late, as in train.py
                 report(previous)
             previous = step_metrics
         report(previous)
-        return time.perf_counter() - t0, losses
+        seconds = time.perf_counter() - t0
+        batches.close()
+        return seconds, losses
 
 
 # ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ def get_config() -> Config:
                           num_kv_heads=2, head_dim=16, rope_theta=10_000.0),
         mesh=MeshConfig(fsdp=-1),
         optim=OptimConfig(learning_rate=3e-3, warmup_steps=20, weight_decay=0.01),
-        data=DataConfig(branching=4, mean_doc_length=48),
+        data=DataConfig(num_states=32, branching=8, mean_doc_length=48),
         steps=300,
         batch_size=16,
         seq_len=64,

@@ -111,11 +111,26 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """The seeded synthetic token stream (a sparse Markov chain over packed documents)."""
+    """Training data (hetjax/data): a source, a tokenizer, packing and grain workers."""
 
-    seed: int = 0
-    branching: int = 4  # successors per token: the chain's entropy is about log(branching)
+    seed: int = 0  # shuffling, the eval hold-out and the synthetic language
+    source: str = "synthetic"  # synthetic | text | jsonl | array_record
+    path: str = ""  # text/jsonl: comma-separated files or globs; array_record: prepare's directory
+    eval_path: str = ""  # held-out data; empty: hold out eval_fraction of the documents
+    eval_fraction: float = 0.01
+    text_field: str = "text"  # jsonl: the field that holds a document's text
+    tokenizer: str = "byte"  # byte | path to a tokenizer.json | path to a SentencePiece .model
+    skip_bad_records: bool = False  # skip (and count) bad lines instead of stopping
+    index_dir: str = ""  # where text/jsonl indexes are cached; empty: next to the data
+    shuffle: bool = True  # a seeded permutation of the documents per epoch
+    num_workers: int = 0  # grain worker processes; any number gives the same batches
+    start_step: int = 0  # first step to train: its batch and all later ones, as if never stopped
+    # The synthetic language (hetjax/data/synthetic.py): a seeded unifilar HMM.
+    num_states: int = 32
+    branching: int = 8  # tokens each hidden state can emit (Zipf-like probabilities)
+    zipf_exponent: float = 1.0
     mean_doc_length: int = 48
+    num_documents: int = 100_000  # per split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +294,7 @@ def validate(cfg: Config) -> None:
         "seq_len": cfg.seq_len, "log_every": cfg.log_every,
         "optim.grad_accum_steps": cfg.optim.grad_accum_steps,
         "data.branching": cfg.data.branching, "data.mean_doc_length": cfg.data.mean_doc_length,
+        "data.num_states": cfg.data.num_states, "data.num_documents": cfg.data.num_documents,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -312,6 +328,29 @@ def validate(cfg: Config) -> None:
     from hetjax.compile import profiles  # no jax import: safe before the backend starts
     if cfg.compile.platform != "auto":
         profiles.check_platform(cfg.compile.platform, "config.compile.platform")
+    _validate_data(cfg)
+
+
+DATA_SOURCES = ("synthetic", "text", "jsonl", "array_record")
+
+
+def _validate_data(cfg: Config) -> None:
+    d = cfg.data
+    if d.source not in DATA_SOURCES:
+        raise ConfigError(f"config.data.source={d.source!r}: choose one of {DATA_SOURCES}")
+    if d.source != "synthetic" and not d.path:
+        raise ConfigError(f"config.data.source={d.source!r} needs config.data.path (files, globs "
+                          f"or a prepared directory)")
+    if d.source == "synthetic" and d.branching >= cfg.model.vocab_size:
+        raise ConfigError(f"config.data.branching={d.branching}: must be below "
+                          f"config.model.vocab_size={cfg.model.vocab_size} (token 0 is BOS)")
+    if not 0.0 < d.eval_fraction < 1.0:
+        raise ConfigError(f"config.data.eval_fraction={d.eval_fraction}: must lie in (0, 1)")
+    for key in ("num_workers", "start_step"):
+        if getattr(d, key) < 0:
+            raise ConfigError(f"config.data.{key}={getattr(d, key)}: must be >= 0")
+    if d.start_step >= cfg.steps:
+        raise ConfigError(f"config.data.start_step={d.start_step}: must be below config.steps={cfg.steps}")
 
 
 def _validate_rules(rules, m: ModelConfig) -> None:

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_lib.load(args.config, args.overrides)
     config_lib.validate(cfg)
     print(backend.start(cfg), flush=True)  # XLA flags and env before jax touches a device
+    dataset = data.build(cfg)  # bad data is reported before anything is compiled
 
     # Everything below up to create_state is abstract: no parameter is allocated.
     mesh = make_mesh(cfg.mesh)
@@ -66,10 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     config_lib.save(cfg, run_dir / "config.json")
     state = state_lib.create_state(cfg.model, cfg.seed, tx, state_shardings)
     eval_step = step.compile_eval_step(cfg, graphdef, abstract_state.params, state_shardings.params, mesh)
-    stream = data.SyntheticStream.from_config(cfg)
+    batches = dataset.iterator(batch_shardings, cfg.data.start_step)
     peak, peak_source = metrics.peak_flops(cfg, list(mesh.devices.flat))
-    print(f"MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source}); "
-          f"the data's best possible loss is about {stream.entropy_floor:.3f}", flush=True)
+    floor = "" if dataset.floor is None else f"; its best possible loss is {dataset.floor:.4f}"
+    print(f"MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source}); data: {dataset.description}"
+          f"{floor}", flush=True)
 
     writer = metrics.Writer(run_dir, cfg.steps, cfg.tensorboard)
     last_finite, clock = -1, time.perf_counter()
@@ -87,12 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         last_finite = s
         values.update(step_time=step_time, tokens_per_sec=values["tokens"] / step_time,
                       mfu=flops_per_step / step_time / peak)
+        if dataset.floor is not None:
+            values["above_floor"] = values["loss"] - dataset.floor
         writer.write(s, values, echo=s % cfg.log_every == 0 or s == cfg.steps - 1)
 
     def evaluate(s):
         nonlocal clock
-        sums = [eval_step(state.params, data.global_batch(stream, i, cfg.batch_size,
-                                                          batch_shardings, split=1))
+        sums = [eval_step(state.params, dataset.eval_batch(i, batch_shardings))
                 for i in range(cfg.eval_batches)]
         sums = jax.device_get(sums)
         loss = sum(x["loss_sum"] for x in sums) / max(sum(x["tokens"] for x in sums), 1.0)
@@ -101,9 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         previous = None
-        for s in range(cfg.steps):
-            batch = data.global_batch(stream, s, cfg.batch_size, batch_shardings)
-            state, step_metrics = train_step(state, batch)
+        for s in range(cfg.data.start_step, cfg.steps):
+            state, step_metrics = train_step(state, next(batches))
             # Read the previous step's metrics only now, so the device is never idle
             # waiting for the host.
             if previous is not None:
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.eval_every and cfg.steps % cfg.eval_every:
             evaluate(cfg.steps - 1)
     finally:
+        batches.close()
         writer.close()
     print(f"done: {cfg.steps} steps; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
     return 0

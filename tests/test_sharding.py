@@ -42,7 +42,7 @@ def run(cfg, mesh_cfg, num_devices):
     """First-step gradients and three steps of losses on this mesh."""
     mesh, rules, tx, graphdef, shardings, state = build(cfg, mesh_cfg, num_devices)
     batch_sh = step.batch_shardings(mesh, rules)
-    stream = data.SyntheticStream(cfg.model.vocab_size, cfg.seq_len, seed=0)
+    stream = data.build(cfg)
 
     def mean_grads(params, batch):
         with sharding.logical_rules(mesh, rules):
@@ -50,13 +50,13 @@ def run(cfg, mesh_cfg, num_devices):
         return jax.tree.map(lambda g: g / count, grads)
 
     grads = jax.jit(mean_grads, in_shardings=(shardings.params, batch_sh))(
-        state.params, data.global_batch(stream, 0, cfg.batch_size, batch_sh))
+        state.params, stream.batch(0, batch_sh))
     train_step = step.jit_train_step(
         step.make_train_step(graphdef, tx, learning_rate_schedule(cfg.optim, cfg.steps), mesh, rules),
         shardings, batch_sh, mesh)
     losses = []
     for s in range(cfg.steps):
-        state, metrics = train_step(state, data.global_batch(stream, s, cfg.batch_size, batch_sh))
+        state, metrics = train_step(state, stream.batch(s, batch_sh))
         losses.append(float(metrics["loss"]))
     return jax.device_get(grads), np.array(losses)
 

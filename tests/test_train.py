@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hetjax import config as config_lib
 from hetjax import data, step, train
 from hetjax.config import Config, MeshConfig, ModelConfig, OptimConfig
 from hetjax.optim import decay_mask, learning_rate_schedule, make_optimizer
@@ -32,8 +33,8 @@ def make_step(cfg, jit=True):
     fn = step.make_train_step(graphdef, tx, learning_rate_schedule(cfg.optim, cfg.steps), mesh,
                               rules, cfg.optim.grad_accum_steps)
     batch_sh = step.batch_shardings(mesh, rules)
-    stream = data.SyntheticStream(cfg.model.vocab_size, cfg.seq_len, seed=0)
-    batches = [data.global_batch(stream, s, cfg.batch_size, batch_sh) for s in range(cfg.steps)]
+    stream = data.build(cfg)
+    batches = [stream.batch(s, batch_sh) for s in range(cfg.steps)]
     return fn, shardings, batch_sh, mesh, state, batches
 
 
@@ -132,6 +133,11 @@ def test_tiny_config_trains(tmp_path):
     first, last = train_rows[0]["loss"], np.mean([r["loss"] for r in train_rows[-10:]])
     assert abs(first - math.log(256)) < 0.3
     assert last < first - 2.0, (first, last)
+    # The synthetic language's exact floor: approached, and not beaten (a model that
+    # sees less than a document's whole prefix cannot do better in expectation).
+    floor = data.build(config_lib.load("tiny.py")).floor
+    assert floor - 0.05 < last < floor + 0.35, (last, floor)
+    assert all(abs(r["above_floor"] - (r["loss"] - floor)) < 1e-6 for r in train_rows)
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert len(evals) == 2 and evals[1] < evals[0]
     for key in ("grad_norm", "learning_rate", "tokens_per_sec", "step_time", "mfu"):

@@ -1,5 +1,5 @@
-"""Training data. Until the grain pipelines land, a seeded synthetic stream."""
+"""Training data: grain pipelines over sources, tokenizers, packing, the synthetic language."""
 
-from hetjax.data.synthetic import SyntheticStream, global_batch
+from hetjax.data.pipeline import Data, DataIterator, build, local_rows, to_global
 
-__all__ = ["SyntheticStream", "global_batch"]
+__all__ = ["Data", "DataIterator", "build", "local_rows", "to_global"]

@@ -1,88 +1,145 @@
-"""A seeded synthetic token stream: the batch of step s depends only on (seed, s).
+"""A synthetic language whose best achievable loss is known exactly.
 
-Documents are walks of a sparse Markov chain (every token has `branching`
-equally likely successors), packed back to back into rows with segment ids and
-per-document positions. The chain has learnable structure, and a known floor:
-inside a document the best possible loss is log(branching) nats per token.
+Documents are emitted by a seeded *unifilar* hidden Markov model (a probabilistic
+finite automaton): in hidden state s it emits token x with probability e_s(x), then
+moves to the state next[s, x], a function of (s, x). Each state emits `branching`
+tokens with Zipf-like probabilities (its own exponent), and a token is emitted by several states that
+lead to different successors, so one token does not reveal the state; the whole
+document prefix does (the automaton is deterministic given the tokens).
+
+That makes the loss floor exact. A document is BOS then n >= 1 tokens, n geometric
+with mean m; its walk starts in state 0. Given the document prefix, the best
+possible prediction of token t is e_{s_t}, with expected loss h(s_t) = H(e_{s_t}).
+With M[s, s'] = sum_x e_s(x) [next[s, x] = s'] and q = 1 - 1/m, averaged over every
+scored token of an endless stream of documents:
+
+    floor = E[sum_{t=1..n} h(s_t)] / E[n] = (1/m) * e_0 (I - qM)^{-1} h
+
+(rows of the packed stream score every token except a BOS, see packing.py). The
+entropy rate of one endless document, pi . h (pi the stationary law of M), is also
+reported. Probabilities are multiples of 1/resolution, so the sampler draws token
+slots uniformly from an integer table: exact, fast, and the same on every machine
+(numpy's PCG64 with explicit seed sequences; no floating point decides a token).
+
+The floor assumes the model sees each token's whole document prefix. A row of the
+packed stream can start in the middle of a document, and its first tokens then see
+less; the expected loss there is slightly higher than the floor.
 """
 
 from __future__ import annotations
 
-import math
-
-import jax
 import numpy as np
 
 BOS = 0
+SPLITS = {"train": 0, "eval": 1}
 
 
-class SyntheticStream:
-    def __init__(self, vocab_size: int, seq_len: int, *, seed: int, branching: int = 4,
-                 mean_doc_length: int = 48):
-        if vocab_size < 2:
-            raise ValueError(f"config.model.vocab_size={vocab_size}: the synthetic stream needs >= 2")
-        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
-        self.mean_doc_length = mean_doc_length
-        table_rng = np.random.default_rng([seed, 0xC4A1])
-        # successors[v] = the tokens that may follow v (never BOS).
-        self.successors = table_rng.integers(1, vocab_size, size=(vocab_size, branching))
-        self.entropy_floor = math.log(branching)
+class SyntheticLanguage:
+    """The automaton, its exact floors, and its documents as random-access sources."""
+
+    def __init__(self, vocab_size: int, *, seed: int, num_states: int = 32, branching: int = 8,
+                 zipf_exponent: float = 1.0, mean_doc_length: int = 48,
+                 num_documents: int = 100_000, resolution: int = 1 << 12):
+        if vocab_size - 1 < branching:
+            raise ValueError(f"vocab_size={vocab_size} leaves fewer than branching={branching} tokens")
+        self.vocab_size, self.seed, self.num_states = vocab_size, seed, num_states
+        self.mean_doc_length, self.num_documents = mean_doc_length, num_documents
+        self.resolution, self.branching, self.zipf_exponent = resolution, branching, zipf_exponent
+        rng = np.random.default_rng([seed, 0x5EED])
+        self.emit = np.zeros((num_states, vocab_size), np.float64)  # e_s(x)
+        self.next = np.full((num_states, vocab_size), -1, np.int64)
+        slots = []
+        for s in range(num_states):
+            # Each state its own Zipf exponent, so states differ in entropy.
+            weights = 1.0 / np.arange(1, branching + 1) ** (zipf_exponent * rng.uniform(0.5, 2.0))
+            counts = np.maximum(1, np.floor(weights / weights.sum() * resolution)).astype(np.int64)
+            counts[0] += resolution - counts.sum()  # integer probabilities summing to 1 exactly
+            support = rng.choice(np.arange(1, vocab_size), size=branching, replace=False)
+            self.emit[s, support] = counts / resolution
+            self.next[s, support] = rng.integers(0, num_states, size=branching)
+            slots.append(np.repeat(support, counts))
+        self.slots = np.stack(slots)  # (states, resolution): slot -> token
+        # Lists of Python ints: the per-token walk runs in pure Python, much
+        # faster than numpy scalar indexing.
+        self._slots = self.slots.tolist()
+        self._next = self.next.tolist()
 
     @classmethod
-    def from_config(cls, cfg) -> "SyntheticStream":
-        return cls(cfg.model.vocab_size, cfg.seq_len, seed=cfg.data.seed,
-                   branching=cfg.data.branching, mean_doc_length=cfg.data.mean_doc_length)
+    def from_config(cls, cfg) -> "SyntheticLanguage":
+        d = cfg.data
+        return cls(cfg.model.vocab_size, seed=d.seed, num_states=d.num_states,
+                   branching=d.branching, zipf_exponent=d.zipf_exponent,
+                   mean_doc_length=d.mean_doc_length, num_documents=d.num_documents)
 
-    def rows(self, step: int, start: int, stop: int, split: int = 0) -> dict[str, np.ndarray]:
-        """Rows [start, stop) of the global batch of `step`; `split` tells train (0) from eval."""
-        T = self.seq_len + 1  # one extra token: targets are inputs shifted by one
-        n = stop - start
-        rngs = [np.random.default_rng([self.seed, split, step, r]) for r in range(start, stop)]
-        choice = np.stack([g.integers(0, self.successors.shape[1], T) for g in rngs])
-        first = np.stack([g.integers(1, self.vocab_size, T) for g in rngs])
-        new_doc = np.stack([g.random(T) < 1.0 / self.mean_doc_length for g in rngs])
-        new_doc[:, 0] = True
-        tokens = np.empty((n, T), np.int32)
-        after_bos = np.zeros(n, bool)
-        for t in range(T):
-            nxt = self.successors[tokens[:, t - 1], choice[:, t]] if t else first[:, 0]
-            nxt = np.where(after_bos, first[:, t], nxt)
-            tokens[:, t] = np.where(new_doc[:, t], BOS, nxt)
-            after_bos = new_doc[:, t]
-        segments = np.cumsum(new_doc, axis=1).astype(np.int32)
-        starts = np.maximum.accumulate(np.where(new_doc, np.arange(T), 0), axis=1)
-        positions = (np.arange(T) - starts).astype(np.int32)
-        return {
-            "inputs": tokens[:, :-1],
-            "targets": tokens[:, 1:],
-            "positions": positions[:, :-1],
-            "segment_ids": segments[:, :-1],
-            # A target that opens the next document is not predictable from this one.
-            "loss_mask": (segments[:, 1:] == segments[:, :-1]).astype(np.int32),
-        }
+    # -- exact quantities ---------------------------------------------------
+
+    def state_entropies(self) -> np.ndarray:
+        """h(s) = H(e_s) in nats."""
+        e = self.emit
+        return -np.sum(np.where(e > 0, e * np.log(np.where(e > 0, e, 1.0)), 0.0), axis=1)
+
+    def transition_matrix(self) -> np.ndarray:
+        """M[s, s'] = P(next state s' | state s)."""
+        M = np.zeros((self.num_states, self.num_states))
+        s, x = np.nonzero(self.next >= 0)
+        np.add.at(M, (s, self.next[s, x]), self.emit[s, x])
+        return M
+
+    def floor(self) -> float:
+        """The expected loss per scored token of the best predictor that sees each
+        token's document prefix (exact, see the module docstring)."""
+        q = 1.0 - 1.0 / self.mean_doc_length
+        M = self.transition_matrix()
+        start = np.zeros(self.num_states)
+        start[0] = 1.0
+        visits = np.linalg.solve((np.eye(self.num_states) - q * M).T, start)  # e_0 (I - qM)^-1
+        return float(visits @ self.state_entropies() / self.mean_doc_length)
+
+    def entropy_rate(self) -> float:
+        """pi . h: the loss floor deep inside an endless document."""
+        w, v = np.linalg.eig(self.transition_matrix().T)
+        pi = np.real(v[:, np.argmin(np.abs(w - 1.0))])
+        return float(pi / pi.sum() @ self.state_entropies())
+
+    # -- documents ----------------------------------------------------------
+
+    def lengths(self, split: str) -> np.ndarray:
+        """Token count of every document of a split (BOS not counted), drawn at once."""
+        rng = np.random.default_rng([self.seed, SPLITS[split], 0x1E9])
+        return rng.geometric(1.0 / self.mean_doc_length, self.num_documents).astype(np.int64)
+
+    def document(self, split: str, index: int, length: int) -> np.ndarray:
+        """Tokens of document `index` (no BOS): a walk of the automaton from state 0."""
+        rng = np.random.default_rng([self.seed, SPLITS[split], 0xD0C, index])
+        out, s, slots, nxt = [], 0, self._slots, self._next
+        for r in rng.integers(0, self.resolution, length).tolist():
+            x = slots[s][r]
+            out.append(x)
+            s = nxt[s][x]
+        return np.asarray(out, np.int32)
+
+    def source(self, split: str) -> "SyntheticSource":
+        return SyntheticSource(self, split)
+
+    def describe(self) -> str:
+        return (f"synthetic(seed={self.seed}, vocab={self.vocab_size}, states={self.num_states}, "
+                f"branching={self.branching}, zipf={self.zipf_exponent}, "
+                f"mean_doc_length={self.mean_doc_length}, documents={self.num_documents})")
 
 
-def global_batch(stream: SyntheticStream, step: int, batch_size: int, shardings: dict,
-                 split: int = 0) -> dict[str, jax.Array]:
-    """The global batch of `step` as sharded arrays. This process generates only
-    the rows its own devices hold, each contiguous run of them in one call."""
-    shape = (batch_size, stream.seq_len)
-    assert len(set(shardings.values())) == 1, "every batch field is laid out alike"
-    any_sharding = next(iter(shardings.values()))
-    ranges = sorted({idx[0].indices(batch_size)[:2]
-                     for idx in any_sharding.addressable_devices_indices_map(shape).values()})
-    spans: list[list[int]] = []
-    for start, stop in ranges:
-        if spans and start <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], stop)
-        else:
-            spans.append([start, stop])
-    blocks = [(a, stream.rows(step, a, b, split)) for a, b in spans]
+class SyntheticSource:
+    """One split of the language as a random-access document source."""
 
-    def rows(key, index):
-        start, stop, _ = index[0].indices(batch_size)
-        first, block = next((a, blk) for a, blk in blocks if a <= start and stop <= a + len(blk[key]))
-        return block[key][start - first:stop - first, index[1]]
+    bos_id = BOS
 
-    return {k: jax.make_array_from_callback(shape, s, lambda idx, k=k: rows(k, idx))
-            for k, s in shardings.items()}
+    def __init__(self, language: SyntheticLanguage, split: str):
+        self.language, self.split = language, split
+        self.lengths = language.lengths(split)
+        self.fingerprint = f"{language.describe()}/{split}"
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.language.document(self.split, int(index), int(self.lengths[index]))
+

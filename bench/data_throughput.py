@@ -1,0 +1,99 @@
+"""Tokens/s the data pipeline delivers against tokens/s the train step consumes, in one run.
+
+    python -m bench.data_throughput [--config configs/tiny.py] [--steps N] [--config.KEY=VALUE ...]
+
+- train step: the config's compiled train step (step.compile_train_step, state
+  donated) over N batches made and placed beforehand, so it pays no data cost;
+  the clock stops when the last step's metrics are on the host.
+- pipeline: hetjax's grain data iterator (data.build(cfg).iterator) with 0 and
+  with 2 grain worker processes, N global batches each, as sharded jax.Arrays
+  ready on the devices; worker start-up (before the first batch) is not timed.
+
+Both on the config's mesh and batch shape; the last line is the ratio of the
+pipeline's tokens/s to the train step's (the target is >= 10: the data never
+holds a step back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import jax
+
+from hetjax import config as config_lib
+from hetjax import data, optim, step
+from hetjax import state as state_lib
+from hetjax.mesh import describe, make_mesh
+
+
+def parse(argv: list[str]) -> tuple[config_lib.Config, int]:
+    steps, rest, args = 50, [], list(argv)
+    while args:
+        arg = args.pop(0)
+        key, eq, value = arg.partition("=")
+        if key == "--steps":
+            steps = int(value if eq else args.pop(0))
+        else:
+            rest.append(arg)
+    if not any(a == "--config" or a.startswith("--config=") for a in rest):
+        rest = ["--config", "configs/tiny.py"] + rest
+    cmd = config_lib.parse_command_line(rest, flags=())
+    cfg = config_lib.load(cmd.config, cmd.overrides)
+    cfg = dataclasses.replace(cfg, steps=max(cfg.steps, steps + 1))
+    config_lib.validate(cfg)
+    return cfg, steps
+
+
+def train_step_rate(cfg, mesh, batches) -> float:
+    tx = optim.make_optimizer(cfg.optim, cfg.steps)
+    graphdef, abstract = state_lib.abstract_state(cfg.model, cfg.seed, tx)
+    shardings = state_lib.state_shardings(abstract, mesh, cfg.sharding.rules)
+    train_step = step.compile_train_step(cfg, graphdef, tx, abstract, shardings, mesh)
+    state = state_lib.create_state(cfg.model, cfg.seed, tx, shardings)
+    state, m = train_step(state, batches[0])  # warm up
+    jax.block_until_ready(m)
+    t = time.perf_counter()
+    for b in batches:
+        state, m = train_step(state, b)
+    jax.device_get(m)
+    return len(batches) * cfg.batch_size * cfg.seq_len / (time.perf_counter() - t)
+
+
+def pipeline_rate(dataset, shardings, steps: int, workers: int) -> float:
+    dataset.num_workers = workers
+    it = dataset.iterator(shardings)
+    try:
+        jax.block_until_ready(next(it))  # worker start-up is not timed
+        t = time.perf_counter()
+        for _ in range(steps):
+            batch = next(it)
+        jax.block_until_ready(batch)
+        return steps * dataset.batch_size * dataset.train.seq_len / (time.perf_counter() - t)
+    finally:
+        it.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, steps = parse(sys.argv[1:] if argv is None else argv)
+    mesh = make_mesh(cfg.mesh)
+    shardings = step.batch_shardings(mesh, cfg.sharding.rules)
+    dataset = data.build(cfg)
+    print(f"{cfg.name}: batch {cfg.batch_size} x {cfg.seq_len} on mesh {describe(mesh)} "
+          f"({mesh.devices.flat[0].device_kind}); data {dataset.description}; {steps} steps each",
+          flush=True)
+    batches = jax.block_until_ready([dataset.batch(s, shardings) for s in range(steps)])
+    consumed = train_step_rate(cfg, mesh, batches)
+    print(f"train step consumes {consumed:12,.0f} tokens/s", flush=True)
+    delivered = {}
+    for workers in (0, 2):
+        delivered[workers] = pipeline_rate(dataset, shardings, steps, workers)
+        print(f"pipeline, {workers} workers {delivered[workers]:12,.0f} tokens/s", flush=True)
+    print(f"tokens/s ratio pipeline/train step: {delivered[0] / consumed:.1f} with 0 workers, "
+          f"{delivered[2] / consumed:.1f} with 2 workers", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Packing documents into fixed-length rows, with random access to any row.
+
+Epoch e lays the documents of a source end to end in the order of a seeded
+permutation (`numpy` PCG64 keyed by (seed, e)), each as BOS followed by its
+tokens; epochs follow each other into one endless stream. Global row g is the
+stream's tokens [g*T, g*T + T + 1): inputs are the first T, targets the last T, so
+consecutive rows share one token and every token is an input exactly once and a
+target exactly once. Nothing is padded or dropped.
+
+Finding the documents under row g takes the epoch's cumulative token counts
+(computed once per epoch from the per-document lengths, vectorised) and a binary
+search, so any row costs the same whatever its index: resuming at step s costs
+what starting at step 0 does.
+
+Within a row, segment ids count documents from 1 (a row that starts inside a
+document gives that part segment 1) and positions count tokens from the start of
+each segment. The model's attention stops at segment boundaries, and a target that
+opens the next document (its BOS) is not scored: it is not predictable from the
+previous document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+
+
+class PackedRows:
+    """Rows of length `seq_len` cut from the shuffled concatenation of `source`.
+
+    `source[i]` returns document i's tokens (int32, no BOS); `lengths[i]` is its
+    token count (known without reading it); `bos_id` starts every document.
+    """
+
+    def __init__(self, source, lengths: np.ndarray, seq_len: int, *, seed: int, bos_id: int,
+                 shuffle: bool = True, split: int = 0):
+        self.source, self.seq_len, self.seed = source, seq_len, seed
+        self.bos_id, self.shuffle, self.split = bos_id, shuffle, split
+        self.lengths = np.asarray(lengths, np.int64)
+        assert len(self.lengths) and (self.lengths >= 0).all()
+        self.epoch_tokens = int(self.lengths.sum() + len(self.lengths))  # + one BOS each
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __getstate__(self):  # grain workers rebuild epoch indexes themselves
+        return {**self.__dict__, "_epochs": {}}
+
+    def epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """(document order, end offset of each document in the epoch's stream)."""
+        if e not in self._epochs:
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, self.split, 0xE0C, e]).permutation(len(self.lengths))
+            else:
+                order = np.arange(len(self.lengths))
+            if len(self._epochs) >= 2:  # rows of a step touch at most two epochs
+                self._epochs.pop(min(self._epochs))
+            self._epochs[e] = (order, np.cumsum(self.lengths[order] + 1))
+        return self._epochs[e]
+
+    def _pieces(self, start: int, stop: int):
+        """(document id, first, last) token ranges (BOS at 0) covering stream [start, stop)."""
+        pos = start
+        while pos < stop:
+            e, within = divmod(pos, self.epoch_tokens)
+            order, ends = self.epoch(e)
+            k = int(np.searchsorted(ends, within, side="right"))
+            doc_start = int(ends[k] - self.lengths[order[k]] - 1)
+            take = min(stop - pos, int(ends[k]) - within)
+            yield int(order[k]), within - doc_start, within - doc_start + take
+            pos += take
+
+    def rows(self, row_ids) -> dict[str, np.ndarray]:
+        """Global rows `row_ids` as arrays of shape (len(row_ids), seq_len)."""
+        T = self.seq_len
+        tokens = np.empty((len(row_ids), T + 1), np.int32)
+        starts = np.zeros((len(row_ids), T + 1), bool)  # token is a document's BOS
+        docs: dict[int, np.ndarray] = {}  # neighbouring rows share documents
+        for i, g in enumerate(row_ids):
+            col = 0
+            for doc, a, b in self._pieces(int(g) * T, int(g) * T + T + 1):
+                if doc not in docs:
+                    docs[doc] = np.concatenate([[self.bos_id], self.source[doc]]).astype(np.int32)
+                    if len(docs[doc]) != self.lengths[doc] + 1:
+                        raise ValueError(f"document {doc} has {len(docs[doc]) - 1} tokens but its "
+                                         f"index says {self.lengths[doc]}: the data changed after "
+                                         f"its index was built; delete the index to rebuild it")
+                tokens[i, col:col + b - a] = docs[doc][a:b]
+                starts[i, col] = a == 0
+                col += b - a
+        return rows_from_tokens(tokens, starts)
+
+
+def rows_from_tokens(tokens: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
+    """Model inputs from (rows, T+1) tokens and their document-start flags."""
+    segments = np.cumsum(starts, axis=1) + (~starts[:, :1])  # the first segment is 1
+    col = np.arange(tokens.shape[1])
+    positions = col - np.maximum.accumulate(np.where(starts, col, 0), axis=1)
+    return {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "positions": positions[:, :-1].astype(np.int32),
+        "segment_ids": segments[:, :-1].astype(np.int32),
+        "loss_mask": (~starts[:, 1:]).astype(np.int32),
+    }
+
+
+def row_digests(rows: dict[str, np.ndarray]) -> list[str]:
+    """One sha256 per row over its tokens and masks: the same rows give the same
+    digests on any machine, so runs can compare batches row by row."""
+    out = []
+    for i in range(len(rows["inputs"])):
+        h = hashlib.sha256()
+        for k in KEYS:
+            h.update(np.ascontiguousarray(rows[k][i], dtype="<i4").tobytes())
+        out.append(h.hexdigest())
+    return out

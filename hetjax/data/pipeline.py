@@ -1,0 +1,196 @@
+"""From the config to the global batch of every step, through grain.
+
+The global batch of step s is global rows s*B .. s*B+B-1 of a PackedRows (see
+packing.py): a function of (data seed, s, B, source) alone. Each process asks
+grain only for the rows its own devices hold in the batch sharding, reads only
+the documents under them, and builds the global jax.Arrays from them. The grain
+pipeline is a MapDataset over step numbers, so `num_workers` worker processes
+(grain's mp_prefetch) compute whole steps in parallel and deliver them in order:
+any number of workers gives the same batches. Restarting at step s builds the
+same pipeline from s: it costs what starting at 0 does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import grain
+import jax
+import numpy as np
+
+from hetjax.config import ConfigError
+from hetjax.data import packing, sources, synthetic, tokenizers
+
+
+def local_rows(shardings: dict, batch_size: int) -> np.ndarray:
+    """The batch rows this process's devices hold (sorted, each once)."""
+    assert len(set(shardings.values())) == 1, "every batch field is laid out alike"
+    sharding = next(iter(shardings.values()))
+    rows = set()
+    for idx in sharding.addressable_devices_indices_map((batch_size, 1)).values():
+        rows.update(range(*idx[0].indices(batch_size)))
+    return np.asarray(sorted(rows), np.int64)
+
+
+def to_global(local: dict[str, np.ndarray], rows: np.ndarray, batch_size: int,
+              shardings: dict) -> dict[str, jax.Array]:
+    """Global arrays from this process's rows (`local[k][i]` is global row rows[i])."""
+    where = {int(r): i for i, r in enumerate(rows)}
+
+    def block(key, index):
+        start, stop, step = index[0].indices(batch_size)
+        return local[key][[where[r] for r in range(start, stop, step)]][:, index[1]]
+
+    return {k: jax.make_array_from_callback((batch_size, local[k].shape[1]), s,
+                                            lambda idx, k=k: block(k, idx))
+            for k, s in shardings.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRows:
+    """grain map: step -> this process's rows of that step's global batch."""
+
+    packed: packing.PackedRows
+    batch_size: int
+    rows: np.ndarray
+
+    def __call__(self, step: int) -> dict[str, np.ndarray]:
+        return self.packed.rows(int(step) * self.batch_size + self.rows)
+
+
+class DataIterator:
+    """Global batches of steps start, start+1, ... as sharded jax.Arrays.
+
+    `get_state()` is a small JSON-serialisable dict (the next step and a
+    fingerprint of the data); `set_state()` continues exactly from it.
+    `last_rows` is (global row ids, numpy rows) of the batch returned last.
+    """
+
+    def __init__(self, packed: packing.PackedRows, batch_size: int, shardings: dict, *,
+                 fingerprint: str, start_step: int = 0, num_workers: int = 0, prefetch: int = 2):
+        self.packed, self.batch_size, self.shardings = packed, batch_size, shardings
+        self.fingerprint, self.num_workers, self.prefetch = fingerprint, num_workers, prefetch
+        self.rows = local_rows(shardings, batch_size)
+        self._it = None
+        self.last_rows = None
+        self._start(start_step)
+
+    def _start(self, step: int) -> None:
+        self.close()
+        self.step = step
+        ds = grain.MapDataset.range(step, 2**62).map(StepRows(self.packed, self.batch_size, self.rows))
+        it = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=self.prefetch))
+        if self.num_workers:
+            # grain 0.2.18's worker start reads absl flags, which a program that
+            # never calls absl.app.run has not parsed: mark them parsed (defaults).
+            from absl import flags
+            if not flags.FLAGS.is_parsed():
+                flags.FLAGS.mark_as_parsed()
+            it = it.mp_prefetch(grain.MultiprocessingOptions(
+                num_workers=self.num_workers, per_worker_buffer_size=self.prefetch))
+        self._it = iter(it)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, jax.Array]:
+        local = next(self._it)
+        self.last_rows = (self.step * self.batch_size + self.rows, local)
+        self.step += 1
+        return to_global(local, self.rows, self.batch_size, self.shardings)
+
+    def get_state(self) -> dict:
+        return {"step": self.step, "fingerprint": self.fingerprint}
+
+    def set_state(self, state: dict) -> None:
+        if state.get("fingerprint") != self.fingerprint:
+            raise ConfigError(
+                f"the saved data iterator state is for data {state.get('fingerprint')!r} but this "
+                f"run's data is {self.fingerprint!r} (config.data, seq_len or batch_size changed); "
+                f"restore with the config the state was saved with")
+        self._start(int(state["step"]))
+
+    def close(self) -> None:
+        if self._it is not None and hasattr(self._it, "close"):
+            self._it.close()
+        self._it = None
+
+
+@dataclasses.dataclass
+class Data:
+    """The train and eval splits of the configured source, packed for this run."""
+
+    train: packing.PackedRows
+    eval: packing.PackedRows
+    description: str
+    fingerprint: str
+    floor: float | None  # the best achievable loss where it is known (synthetic)
+    batch_size: int
+    num_workers: int
+
+    def iterator(self, shardings: dict, start_step: int = 0) -> DataIterator:
+        return DataIterator(self.train, self.batch_size, shardings, fingerprint=self.fingerprint,
+                            start_step=start_step, num_workers=self.num_workers)
+
+    def batch(self, step: int, shardings: dict, split: str = "train") -> dict[str, jax.Array]:
+        """The global batch of `step` read directly (no grain, no prefetch); eval
+        batch i is the same at every evaluation."""
+        rows = local_rows(shardings, self.batch_size)
+        local = getattr(self, split).rows(step * self.batch_size + rows)
+        return to_global(local, rows, self.batch_size, shardings)
+
+    def eval_batch(self, i: int, shardings: dict) -> dict[str, jax.Array]:
+        return self.batch(i, shardings, "eval")
+
+
+def build(cfg) -> Data:
+    """Opens and checks the configured source (reads indexes, no documents)."""
+    d = cfg.data
+    floor = None
+    if d.source == "synthetic":
+        lang = synthetic.SyntheticLanguage.from_config(cfg)
+        train, held_out = lang.source("train"), lang.source("eval")
+        description, floor = lang.describe(), lang.floor()
+        fingerprint = lang.describe()
+    else:
+        train = _open(d, d.path, "config.data.path")
+        if d.eval_path:
+            held_out = _open(d, d.eval_path, "config.data.eval_path")
+        else:
+            train, held_out = _split(train, d.eval_fraction, d.seed)
+        tokenizers.check_vocab(train, cfg.model.vocab_size, f"the data of config.data.path={d.path!r}")
+        fingerprint = train.fingerprint
+        description = f"{d.source} {d.path} ({len(train):,} train / {len(held_out):,} eval documents)"
+    key = json.dumps([fingerprint, d.seed, d.shuffle, cfg.seq_len, cfg.batch_size])
+    packed = [packing.PackedRows(src, src.lengths, cfg.seq_len, seed=d.seed, bos_id=src.bos_id,
+                                 shuffle=d.shuffle, split=i) for i, src in enumerate((train, held_out))]
+    return Data(packed[0], packed[1], description, hashlib.sha256(key.encode()).hexdigest()[:16],
+                floor, cfg.batch_size, d.num_workers)
+
+
+def _open(d, path: str, what: str):
+    if d.source == "array_record":
+        src = sources.ArrayRecordSource(path, what)
+        if src.tokenizer_fingerprint != tokenizers.load(d.tokenizer).fingerprint:
+            raise ConfigError(f"{what}={path!r} was prepared with tokenizer {src.tokenizer_fingerprint} "
+                              f"but config.data.tokenizer={d.tokenizer!r}; use the same tokenizer")
+        return src
+    return sources.TextSource(path, d.source, tokenizers.load(d.tokenizer), field=d.text_field,
+                              skip_bad=d.skip_bad_records, index_dir=d.index_dir, what=what)
+
+
+def _split(source, fraction: float, seed: int):
+    """(train, eval): a seeded random `fraction` of the documents (at least one) held out."""
+    held = np.random.default_rng([seed, 0xE7A1]).random(len(source)) < fraction
+    if not held.any():
+        held[np.random.default_rng([seed, 0xE7A1]).integers(len(source))] = True
+    if held.all():
+        raise ConfigError(f"config.data.eval_fraction={fraction}: nothing is left to train on; "
+                          f"lower it or set config.data.eval_path")
+    ids = np.arange(len(source))
+    train, ev = sources.Subset(source, ids[~held]), sources.Subset(source, ids[held])
+    train.fingerprint = f"{source.fingerprint}/train{fraction}"
+    return train, ev
+

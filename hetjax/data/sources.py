@@ -1,0 +1,210 @@
+"""Random-access document sources: text and JSONL files, and ArrayRecord shards.
+
+A source has `__len__`, `__getitem__(i) -> int32 tokens` (no BOS), `lengths` (the
+token count of every document, known without reading the documents), `bos_id`,
+`vocab_size` and a `fingerprint`.
+
+Text and JSONL: every non-blank line is one document (JSONL: the string in
+`field`). Their index (file, byte offset, byte length, token count per document)
+is built once by reading and tokenizing every file, and cached in `index_dir`
+keyed by each file's path, size and mtime and by the tokenizer; afterwards a
+document is read with one seek. ArrayRecord shards written by
+`python -m hetjax.data.prepare` carry their token counts in `lengths.npy`.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from hetjax.config import ConfigError
+
+FORMATS = ("text", "jsonl")
+
+
+class DataError(ConfigError):
+    """Bad data: the message names the file and line."""
+
+
+def expand(patterns: str, field: str = "config.data.path") -> list[Path]:
+    """Comma-separated paths or globs -> existing, non-empty files, in sorted order."""
+    files: list[Path] = []
+    for pattern in filter(None, (p.strip() for p in patterns.split(","))):
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        if not matches:
+            what = "matches no file" if glob.has_magic(pattern) else "does not exist"
+            raise DataError(f"{field}={patterns!r}: {pattern!r} {what}")
+        files += [Path(m) for m in matches if Path(m).is_file()]
+    if not files:
+        raise DataError(f"{field}={patterns!r}: no files; give a path or glob of text/JSONL files")
+    for f in files:
+        if not os.access(f, os.R_OK):
+            raise DataError(f"{f}: cannot be read (permission denied)")
+        if f.stat().st_size == 0:
+            raise DataError(f"{f}: the file is empty")
+    return files
+
+
+def iter_documents(files: list[Path], fmt: str, field: str, skip_bad: bool, skipped: list):
+    """Yields (file index, byte offset, byte length, text) of every document.
+
+    A bad line raises DataError naming file and line, or with `skip_bad` is
+    appended to `skipped` as (file, line, reason) and left out."""
+    for fi, path in enumerate(files):
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise DataError(f"{path}: cannot be read ({e.strerror})") from None
+        offset = 0
+        for lineno, line in enumerate(data.splitlines(keepends=True), 1):
+            start, offset = offset, offset + len(line)
+            body = line.rstrip(b"\r\n")
+            if not body.strip():
+                continue
+            try:
+                text = _parse(body, fmt, field)
+            except ValueError as e:
+                if not skip_bad:
+                    raise DataError(f"{path}:{lineno}: {e}; fix the line, or set "
+                                    f"config.data.skip_bad_records=true to skip such lines") from None
+                skipped.append((str(path), lineno, str(e)))
+                continue
+            yield fi, start, len(body), text
+
+
+def _parse(body: bytes, fmt: str, field: str) -> str:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"undecodable bytes {body[e.start:e.end]!r} at byte {e.start} (not UTF-8)") from None
+    if fmt == "text":
+        return text
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict) or field not in record:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"no field {field!r} (config.data.text_field); the record has {keys}")
+    if not isinstance(record[field], str):
+        raise ValueError(f"field {field!r} is a {type(record[field]).__name__}, not a string")
+    return record[field]
+
+
+class TextSource:
+    """Documents of text (one per line) or JSONL files, tokenized on read."""
+
+    def __init__(self, patterns: str, fmt: str, tokenizer, *, field: str = "text",
+                 skip_bad: bool = False, index_dir: str = "", what: str = "config.data.path"):
+        self.files = expand(patterns, what)
+        self.fmt, self.field, self.tokenizer = fmt, field, tokenizer
+        self.bos_id, self.vocab_size = tokenizer.bos_id, tokenizer.vocab_size
+        stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in self.files]
+        key = hashlib.sha256(json.dumps([stats, fmt, field, skip_bad, tokenizer.fingerprint]).encode()).hexdigest()[:20]
+        self.fingerprint = f"{fmt}:{key}"
+        cache = Path(index_dir or Path(self.files[0]).parent / ".hetjax-index") / f"{key}.npz"
+        if cache.is_file():
+            index = dict(np.load(cache))
+        else:
+            index = self._build_index(skip_bad)
+            _save_atomic(cache, index)
+        self.file_ids, self.offsets, self.sizes = index["file_id"], index["offset"], index["size"]
+        self.lengths = index["tokens"]
+        self.skipped = int(index["skipped"])
+        if not len(self.lengths):
+            raise DataError(f"{what}={patterns!r}: no documents (every line is blank"
+                            f"{' or was skipped' if self.skipped else ''})")
+        self._handles: dict[int, object] = {}
+
+    def _build_index(self, skip_bad: bool) -> dict[str, np.ndarray]:
+        skipped: list = []
+        rows = [(fi, off, size, len(self.tokenizer.encode(text)))
+                for fi, off, size, text in iter_documents(self.files, self.fmt, self.field, skip_bad, skipped)]
+        for path, line, reason in skipped[:5]:
+            print(f"skipped {path}:{line}: {reason}", flush=True)
+        if skipped:
+            print(f"skipped {len(skipped)} bad line(s) in total", flush=True)
+        cols = np.asarray(rows, np.int64).reshape(-1, 4)
+        return {"file_id": cols[:, 0], "offset": cols[:, 1], "size": cols[:, 2], "tokens": cols[:, 3],
+                "skipped": np.int64(len(skipped))}
+
+    def __getstate__(self):  # open files stay in their process
+        return {**self.__dict__, "_handles": {}}
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        fi = int(self.file_ids[i])
+        if fi not in self._handles:
+            self._handles[fi] = open(self.files[fi], "rb")
+        f = self._handles[fi]
+        f.seek(int(self.offsets[i]))
+        return self.tokenizer.encode(_parse(f.read(int(self.sizes[i])), self.fmt, self.field))
+
+
+def _save_atomic(path: Path, arrays: dict) -> None:
+    """Writes then renames, so processes building the same index never see half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"warning: could not cache the data index at {path} ({e.strerror}); set "
+              f"config.data.index_dir to a writable directory to keep it", flush=True)
+
+
+class ArrayRecordSource:
+    """Token shards written by `python -m hetjax.data.prepare` (a directory)."""
+
+    def __init__(self, directory: str, what: str = "config.data.path"):
+        import grain
+
+        root = Path(directory)
+        meta_path = root / "meta.json"
+        if not meta_path.is_file():
+            raise DataError(f"{what}={directory!r}: no meta.json there; make the directory with "
+                            f"python -m hetjax.data.prepare")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except json.JSONDecodeError as e:
+            raise DataError(f"{meta_path}:{e.lineno}: not JSON ({e.msg})") from None
+        shards = [root / s for s in meta["shards"]]
+        for s in shards:
+            if not s.is_file():
+                raise DataError(f"{s}: missing shard listed in {meta_path}")
+        self.lengths = np.load(root / "lengths.npy")
+        self.bos_id, self.vocab_size = meta["bos_id"], meta["vocab_size"]
+        self.tokenizer_fingerprint = meta["tokenizer"]
+        self.fingerprint = f"array_record:{meta['digest']}"
+        self._records = grain.sources.ArrayRecordDataSource([str(s) for s in shards])
+        if len(self._records) != len(self.lengths):
+            raise DataError(f"{root}: {len(self._records)} records but lengths.npy lists "
+                            f"{len(self.lengths)}; run prepare again")
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.frombuffer(self._records[int(i)], "<i4").astype(np.int32)
+
+
+class Subset:
+    """Documents `ids` of a source, as a source (a train or eval split)."""
+
+    def __init__(self, source, ids: np.ndarray):
+        self.source, self.ids = source, ids
+        self.lengths = source.lengths[ids]
+        self.bos_id, self.vocab_size = source.bos_id, source.vocab_size
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.source[int(self.ids[i])]
