@@ -32,13 +32,14 @@ class Handle:
 
     def wait(self):
         while True:
-            try:
-                return self._future.result(timeout=0.05)
-            except futures.TimeoutError:
-                if self._idle is not None and self._idle() > self._timeout_s:
-                    raise TransferTimeout(
-                        f"{self._describe}: no data for {self._timeout_s:g} s (LinkConfig.timeout_s); "
-                        f"the peer stopped answering or never sent") from None
+            # Not result(timeout=...): its TimeoutError is the builtin one, which a
+            # TransferTimeout raised by the transfer would also match.
+            if futures.wait([self._future], timeout=0.05).done:
+                return self._future.result()
+            if self._idle is not None and self._idle() > self._timeout_s:
+                raise TransferTimeout(
+                    f"{self._describe}: no data for {self._timeout_s:g} s (LinkConfig.timeout_s); "
+                    f"the peer stopped answering or never sent")
 
 
 def run_async(fn, *args) -> futures.Future:
@@ -93,11 +94,23 @@ def shard_on(array: jax.Array, position: int):
     raise TransferError(f"mesh position {position} ({device}) is not addressable in this process")
 
 
+def _uint(dtype):
+    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[np.dtype(dtype).itemsize]
+
+
+def as_bits(x: jax.Array) -> jax.Array:
+    """Moves data as unsigned integers: XLA may compute bf16 via f32, which would quiet
+    signalling NaNs, and the transfer must be bit for bit."""
+    return x if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, _uint(x.dtype))
+
+
 def device_piece(array: jax.Array, plan: Plan, piece) -> jax.Array:
     """The piece as a single-device array on its source device (a device-side slice)."""
     data = shard_on(array, piece.src)
     within = plan.src_regions[piece.src]
-    return data if piece.region == within else data[local_slices(piece.region, within)]
+    if piece.region == within:
+        return data
+    return jax.lax.bitcast_convert_type(as_bits(data)[local_slices(piece.region, within)], data.dtype)
 
 
 def aligned_empty(shape, dtype) -> np.ndarray:
@@ -115,11 +128,11 @@ def block_from_device_pieces(plan: Plan, group, pieces: list[tuple[object, jax.A
         return pieces[0][1]
     shape = tuple(hi - lo for lo, hi in group.region)
     device = next(iter(pieces[0][1].devices()))
-    block = jax.device_put(jnp.zeros(shape, dtype), device)
+    block = jax.device_put(jnp.zeros(shape, _uint(dtype) if dtype != jnp.bool_ else dtype), device)
     for piece, data in pieces:
         start = tuple(lo - base for (lo, _), (base, _) in zip(piece.region, group.region))
-        block = jax.lax.dynamic_update_slice(block, data, start)
-    return block
+        block = jax.lax.dynamic_update_slice(block, as_bits(data), start)
+    return jax.lax.bitcast_convert_type(block, dtype)
 
 
 def block_from_host_pieces(plan: Plan, group, pieces: list[tuple[object, np.ndarray]], dtype) -> np.ndarray:
@@ -166,7 +179,7 @@ def fan_out(x: jax.Array) -> jax.Array:
     free = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
     if not free:
         return x
-    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[np.dtype(x.dtype).itemsize]
+    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[np.dtype(x.dtype).itemsize]  # no x64
 
     def body(block):
         u = jax.lax.bitcast_convert_type(block, bits)

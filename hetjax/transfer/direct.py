@@ -95,13 +95,12 @@ class DirectEndpoint(Endpoint):
                                                 self._connection(a).pull(u, s)))
         by_leaf = [dict() for _ in expect.avals]
         for p, (address, future) in pulls.items():
-            try:
-                arrays = future.result(timeout=self.cfg.timeout_s)
-            except core.futures.TimeoutError:
+            if not core.futures.wait([future], timeout=self.cfg.timeout_s).done:
                 raise TransferTimeout(
                     f"recv {tag!r}: source process {p} at {address} offered nothing matching within "
                     f"{self.cfg.timeout_s:g} s (LinkConfig.timeout_s): it is gone, or its tag, shapes, "
-                    f"dtypes or layouts differ from this receive's") from None
+                    f"dtypes or layouts differ from this receive's")
+            arrays = future.result()
             for (i, piece, _), data in zip(wanted[p], arrays):
                 by_leaf[i].setdefault(piece.group, []).append((piece, data))
                 handle.wire_bytes += piece.nbytes

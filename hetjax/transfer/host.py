@@ -432,6 +432,6 @@ def _host_chunk(x: jax.Array, plan, piece, sub):
     index = core.local_slices(sub, within)
     if next(iter(data.devices())).platform == "cpu":
         return np.asarray(data)[index]
-    part = data[index]
+    part = core.as_bits(data)[index]
     part.copy_to_host_async()
     return part
