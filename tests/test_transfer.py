@@ -160,7 +160,7 @@ def _corrupting_proxy(upstream: str, flip_at: int) -> str:
 
 
 def test_corrupted_chunk_is_detected():
-    a, b = endpoints("host", streams=1, chunk_bytes=4096)
+    a, b = endpoints("host", streams=1, chunk_bytes=4096, timeout_s=3.0)
     sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P())
     x = random_array((64, 64), "float32", 1, sh)
     r = b.recv("t", jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), sh)
