@@ -1,0 +1,24 @@
+"""Each transfer backend's throughput for a 256 MiB sharded array between two
+processes, against a raw loopback TCP copy of the same bytes over the same number
+of streams, measured in the same run. Last line: host / raw (target >= 0.9).
+
+    python -m bench.transfer_bandwidth [--mib 256] [--streams 2] [--iters 3]
+"""
+
+import sys
+
+from hetjax.transfer import probe
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = probe.parser().parse_args(["--mib", "256", "--backends", "raw,host,direct"] + argv)
+    rows = {r["backend"]: r for r in probe.main(["--mib", str(args.mib), "--streams", str(args.streams),
+                                                 "--iters", str(args.iters), "--backends", args.backends])}
+    if "direct" in rows:
+        print(f"direct / raw: {rows['direct']['gbps'] / rows['raw']['gbps']:.3f}")
+    print(f"host / raw: {rows['host']['gbps'] / rows['raw']['gbps']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

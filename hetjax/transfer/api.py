@@ -1,0 +1,108 @@
+"""The transfer API: an Endpoint per process and link; asynchronous send and recv.
+
+    ep = open_endpoint(LinkConfig(backend="host"))       # one per process and link
+    h = ep.send(tree, tag="act/3", dst=dst_layouts, peers={0: ("10.0.0.2:4711",)})
+    ...                                                  # overlap with compute
+    h.wait()
+    # on the other island:
+    tree = ep.recv("act/3", like=abstract_tree, src=src_layouts, peers=...).wait()
+
+`dst` / `src` are pytrees (matching the arrays) of `Layout`s or NamedShardings: each
+side describes the other's sharding, so both compute the same plan. `like` holds the
+destination's shapes, dtypes and shardings (ShapeDtypeStructs or arrays). `peers`
+maps the other island's process index to its endpoint addresses (`ep.addresses`).
+Each process sends and receives only the pieces of its addressable shards.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from hetjax.config import ConfigError
+from hetjax.transfer import core
+from hetjax.transfer.link import LinkConfig, TransferError
+from hetjax.transfer.plan import Layout
+
+
+class Endpoint:
+    """This process's end of one link. Subclasses implement one backend."""
+
+    addresses: tuple[str, ...] = ()
+
+    def __init__(self, cfg: LinkConfig, process_index: int | None = None):
+        cfg.validate()
+        self.cfg = cfg
+        self.process = jax.process_index() if process_index is None else process_index
+
+    def send(self, tree, tag: str, dst, peers=None) -> core.Handle:
+        raise NotImplementedError
+
+    def recv(self, tag: str, like, src, peers=None) -> core.Handle:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- shared checks ---------------------------------------------------------------
+
+    def prepare_send(self, tree, tag: str, dst):
+        """(leaves, plans, dst layouts) with every user mistake raised up front."""
+        _check_tag(tag)
+        leaves, treedef = jax.tree.flatten(tree)
+        for i, x in enumerate(leaves):
+            if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding):
+                raise TransferError(
+                    f"send {tag!r}: leaf {i} is a {type(x).__name__} with sharding "
+                    f"{getattr(x, 'sharding', None)}; send jax.Arrays with a NamedSharding")
+        dst_layouts = core.layouts(dst)
+        src_layouts = [Layout.of(x.sharding) for x in leaves]
+        plans = core.leaf_plans(leaves, src_layouts, dst_layouts, f"send {tag!r}")
+        return leaves, plans, dst_layouts
+
+    def prepare_recv(self, tag: str, like, src) -> core.Expect:
+        _check_tag(tag)
+        avals, treedef = jax.tree.flatten(like)
+        for i, a in enumerate(avals):
+            if not isinstance(getattr(a, "sharding", None), NamedSharding):
+                raise TransferError(
+                    f"recv {tag!r}: leaf {i} of `like` has sharding {getattr(a, 'sharding', None)}; give "
+                    f"jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(...)) for every leaf")
+        dst_layouts = [Layout.of(a.sharding) for a in avals]
+        plans = core.leaf_plans(avals, core.layouts(src), dst_layouts, f"recv {tag!r}")
+        return core.Expect(avals, plans, dst_layouts, treedef)
+
+
+def _check_tag(tag) -> None:
+    if not isinstance(tag, str) or not tag or len(tag.encode()) > 1024:
+        raise TransferError(f"tag={tag!r}: use a non-empty string of at most 1024 bytes, e.g. 'act/step3/stage1'")
+
+
+def check_leaf(tag: str, i: int, got_shape, got_dtype, aval) -> None:
+    """A message whose shape or dtype differs from what the receiver expects is refused."""
+    if tuple(got_shape) != tuple(aval.shape) or np.dtype(got_dtype) != np.dtype(aval.dtype):
+        raise TransferError(
+            f"recv {tag!r}: leaf {i} arrived as {np.dtype(got_dtype).name}{list(got_shape)} but the receiver "
+            f"expects {np.dtype(aval.dtype).name}{list(aval.shape)}; both islands must agree on the tree")
+
+
+def open_endpoint(cfg: LinkConfig, process_index: int | None = None) -> Endpoint:
+    """Starts this process's end of a link with the backend `cfg.backend`."""
+    if not isinstance(cfg, LinkConfig):
+        raise ConfigError(f"open_endpoint: expected a LinkConfig, got {type(cfg).__name__}")
+    cfg.validate()
+    if cfg.backend == "local":
+        from hetjax.transfer.local import LocalEndpoint
+        return LocalEndpoint(cfg, process_index)
+    if cfg.backend == "host":
+        from hetjax.transfer.host import HostEndpoint
+        return HostEndpoint(cfg, process_index)
+    from hetjax.transfer.direct import DirectEndpoint
+    return DirectEndpoint(cfg, process_index)

@@ -1,0 +1,198 @@
+"""What every backend shares: plans per leaf, cutting source pieces out of shards,
+and building the destination array from received blocks (with the fan-out)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent import futures
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from hetjax.transfer.link import TransferError, TransferTimeout
+from hetjax.transfer.plan import Layout, Plan, Region, make_plan
+
+
+class Handle:
+    """A transfer in flight. `wait()` returns its result (the received pytree for a
+    receive, None for a send) or raises; `wire_bytes` counts payload bytes that
+    this process put on (send) or took off (receive) the link."""
+
+    def __init__(self, future: futures.Future, describe: str, idle=None, timeout_s: float = 0.0):
+        self._future, self._describe = future, describe
+        self._idle, self._timeout_s = idle, timeout_s  # idle(): seconds since the peer last spoke
+        self.wire_bytes = 0
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self):
+        while True:
+            # Not result(timeout=...): its TimeoutError is the builtin one, which a
+            # TransferTimeout raised by the transfer would also match.
+            if futures.wait([self._future], timeout=0.05).done:
+                return self._future.result()
+            if self._idle is not None and self._idle() > self._timeout_s:
+                raise TransferTimeout(
+                    f"{self._describe}: no data for {self._timeout_s:g} s (LinkConfig.timeout_s); "
+                    f"the peer stopped answering or never sent")
+
+
+def run_async(fn, *args) -> futures.Future:
+    """Runs fn in a daemon thread (never blocks interpreter exit on a dead peer)."""
+    future: futures.Future = futures.Future()
+
+    def body():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            future.set_exception(e)
+
+    threading.Thread(target=body, daemon=True).start()
+    return future
+
+
+class Activity:
+    """Seconds since the last sign of life from a peer."""
+
+    def __init__(self):
+        self.last = time.monotonic()
+
+    def touch(self):
+        self.last = time.monotonic()
+
+    def idle(self) -> float:
+        return time.monotonic() - self.last
+
+
+def layouts(tree) -> list[Layout]:
+    """Flat list of Layouts from a pytree of Layouts or NamedShardings."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, (Layout, NamedSharding)))
+    return [x if isinstance(x, Layout) else Layout.of(x) for x in leaves]
+
+
+def leaf_plans(avals, src: list[Layout], dst: list[Layout], what: str) -> list[Plan]:
+    if not (len(avals) == len(src) == len(dst)):
+        raise TransferError(f"{what}: {len(avals)} arrays but {len(src)} source and {len(dst)} destination layouts")
+    return [make_plan(a.shape, np.dtype(a.dtype).itemsize, s, d) for a, s, d in zip(avals, src, dst)]
+
+
+def local_slices(region: Region, within: Region) -> tuple[slice, ...]:
+    return tuple(slice(lo - base, hi - base) for (lo, hi), (base, _) in zip(region, within))
+
+
+def shard_on(array: jax.Array, position: int):
+    """The addressable shard of `array` at mesh position `position`."""
+    device = array.sharding.mesh.devices.flat[position]
+    for shard in array.addressable_shards:
+        if shard.device == device:
+            return shard.data
+    raise TransferError(f"mesh position {position} ({device}) is not addressable in this process")
+
+
+def _uint(dtype):
+    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[np.dtype(dtype).itemsize]
+
+
+def as_bits(x: jax.Array) -> jax.Array:
+    """Moves data as unsigned integers: XLA may compute bf16 via f32, which would quiet
+    signalling NaNs, and the transfer must be bit for bit."""
+    return x if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, _uint(x.dtype))
+
+
+def device_piece(array: jax.Array, plan: Plan, piece) -> jax.Array:
+    """The piece as a single-device array on its source device (a device-side slice)."""
+    data = shard_on(array, piece.src)
+    within = plan.src_regions[piece.src]
+    if piece.region == within:
+        return data
+    return jax.lax.bitcast_convert_type(as_bits(data)[local_slices(piece.region, within)], data.dtype)
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """A 64-byte aligned host buffer: jax on CPU then adopts it without a copy."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    offset = (-raw.ctypes.data) % 64
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def block_from_device_pieces(plan: Plan, group, pieces: list[tuple[object, jax.Array]], dtype) -> jax.Array:
+    """Puts a group's pieces (arrays on the receiver device) together on that device."""
+    if len(pieces) == 1 and pieces[0][0].region == group.region:
+        return pieces[0][1]
+    shape = tuple(hi - lo for lo, hi in group.region)
+    device = next(iter(pieces[0][1].devices()))
+    block = jax.device_put(jnp.zeros(shape, _uint(dtype) if dtype != jnp.bool_ else dtype), device)
+    for piece, data in pieces:
+        start = tuple(lo - base for (lo, _), (base, _) in zip(piece.region, group.region))
+        block = jax.lax.dynamic_update_slice(block, as_bits(data), start)
+    return jax.lax.bitcast_convert_type(block, dtype)
+
+
+def block_from_host_pieces(plan: Plan, group, pieces: list[tuple[object, np.ndarray]], dtype) -> np.ndarray:
+    if len(pieces) == 1 and pieces[0][0].region == group.region:
+        return pieces[0][1]
+    block = aligned_empty(tuple(hi - lo for lo, hi in group.region), dtype)
+    for piece, data in pieces:
+        block[local_slices(piece.region, group.region)] = data
+    return block
+
+
+def build(aval, plan: Plan, dst: Layout, process: int, blocks: dict[int, object]) -> jax.Array:
+    """The destination jax.Array from the blocks this process received (group index ->
+    host or device array), fanned out to every replica in the destination mesh."""
+    sharding = aval.sharding
+    devices = list(sharding.mesh.devices.flat)
+    group_of = {m: gi for gi, g in enumerate(plan.groups) for m in g.members}
+    spans = any(len({dst.processes[m] for m in g.members}) > 1 for g in plan.groups)
+    on_receiver = {gi: jax.device_put(b, devices[plan.groups[gi].receiver]) for gi, b in blocks.items()}
+    shards = []
+    for pos, device in enumerate(devices):
+        if dst.processes[pos] != process:
+            continue
+        gi = group_of[pos]
+        group = plan.groups[gi]
+        if pos == group.receiver:
+            shards.append(on_receiver[gi])
+        elif not spans and gi in on_receiver:  # the copy stays inside this process
+            shards.append(jax.device_put(on_receiver[gi], device))
+        else:  # filled in by the collective below
+            shape = tuple(hi - lo for lo, hi in group.region)
+            shards.append(jax.device_put(jnp.zeros(shape, aval.dtype), device))
+    out = jax.make_array_from_single_device_arrays(tuple(aval.shape), sharding, shards)
+    return fan_out(out) if spans else out
+
+
+def fan_out(x: jax.Array) -> jax.Array:
+    """Copies each replica group's one received block to the rest of the group with the
+    destination's own collective: a psum over the replicated mesh axes of the bits
+    (every member but the receiver holds zeros, so the sum is the block, bit for bit)."""
+    sharding = x.sharding
+    mesh, spec = sharding.mesh, PartitionSpec(*sharding.spec)
+    used = {a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))}
+    free = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+    if not free:
+        return x
+    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[np.dtype(x.dtype).itemsize]  # no x64
+
+    def body(block):
+        u = jax.lax.bitcast_convert_type(block, bits)
+        return jax.lax.bitcast_convert_type(jax.lax.psum(u, free), x.dtype)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(x)
+
+
+@dataclasses.dataclass
+class Expect:
+    """What a receive waits for: per leaf its aval, plan and destination layout."""
+
+    avals: list
+    plans: list[Plan]
+    dst: list[Layout]
+    treedef: object

@@ -1,0 +1,437 @@
+"""The `host` backend: device -> host buffer -> N TCP streams -> host buffer -> device.
+
+Each process listens on its NIC addresses (loopback by default). A sender opens
+`streams` connections to each destination process it feeds (stream i to the peer's
+address i % len), proves the job's shared secret by HMAC challenge-response (both
+ways), then pushes chunks: a small JSON header (tag, leaf, piece, shape, dtype,
+region, offset, length, checksum) and the payload. The receiver checks the header
+against its own plan before reading the payload into place, verifies the checksum,
+and moves a block to the device as soon as its pieces are in, while other chunks
+are still on the wire. A producer thread copies chunk i+1 off the device while the
+streams send chunk i.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetjax.transfer import core
+from hetjax.transfer.api import Endpoint, check_leaf
+from hetjax.transfer.link import TransferError, TransferTimeout
+from hetjax.transfer.plan import split
+
+log = logging.getLogger("hetjax.transfer")
+
+_FRAME = struct.Struct("<4sBI")  # magic, kind, length of the JSON header that follows
+_MAGIC = b"HJX1"
+_CHUNK, _END, _ACK = 1, 2, 3
+_CHECKSUM = {"crc32": zlib.crc32, "adler32": zlib.adler32}
+_counted = threading.Lock()  # guards Handle.wire_bytes across stream threads
+
+
+class PeerLost(TransferTimeout):
+    """The peer closed the connection in the middle of a transfer (it died)."""
+
+
+def _mac(secret: bytes, role: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, role + nonce, hashlib.sha256).digest()
+
+
+def _recv_into(sock, view: memoryview, peer: str) -> None:
+    while len(view):
+        try:
+            n = sock.recv_into(view)
+        except socket.timeout:
+            raise TransferTimeout(f"peer {peer} stopped answering mid-message (LinkConfig.timeout_s)") from None
+        except OSError as e:
+            raise PeerLost(f"peer {peer}: connection lost ({e})") from None
+        if n == 0:
+            raise PeerLost(f"peer {peer} closed the connection mid-message")
+        view = view[n:]
+
+
+def _recv_exact(sock, n: int, peer: str) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf), peer)
+    return bytes(buf)
+
+
+def _send_frame(sock, kind: int, meta: dict, peer: str) -> None:
+    head = json.dumps(meta).encode()
+    try:
+        sock.sendall(_FRAME.pack(_MAGIC, kind, len(head)) + head)
+    except socket.timeout:
+        raise TransferTimeout(f"peer {peer} stopped reading (LinkConfig.timeout_s)") from None
+    except OSError as e:
+        raise PeerLost(f"peer {peer}: connection lost ({e})") from None
+
+
+def _read_frame(sock, peer: str, idle_ok: bool, timeout_s: float) -> tuple[int, dict]:
+    if idle_ok:  # a persistent connection may sit idle between transfers
+        sock.settimeout(None)
+        first = sock.recv(1)
+        if not first:
+            raise EOFError
+        sock.settimeout(timeout_s)
+        raw = first + _recv_exact(sock, _FRAME.size - 1, peer)
+    else:
+        raw = _recv_exact(sock, _FRAME.size, peer)
+    magic, kind, n = _FRAME.unpack(raw)
+    if magic != _MAGIC or n > 1 << 20:
+        raise TransferError(f"peer {peer} sent a frame that is not a hetjax transfer frame")
+    return kind, json.loads(_recv_exact(sock, n, peer))
+
+
+class _Inbox:
+    """One posted receive: buffers for the pieces this process expects, and progress."""
+
+    def __init__(self, endpoint, tag, expect, handle):
+        self.tag, self.expect, self.handle = tag, expect, handle
+        self.lock = threading.Lock()
+        self.activity = core.Activity()
+        self.future = handle._future
+        self.buffers, self.left, self.group_left, self.blocks = {}, {}, {}, []
+        for i, (aval, plan) in enumerate(zip(expect.avals, expect.plans)):
+            self.blocks.append({})
+            for j, piece in enumerate(plan.pieces):
+                if piece.dst_process == endpoint.process:
+                    shape = tuple(hi - lo for lo, hi in piece.region)
+                    self.buffers[i, j] = core.aligned_empty(shape, aval.dtype)
+                    self.left[i, j] = piece.nbytes
+                    self.group_left[i, piece.group] = self.group_left.get((i, piece.group), 0) + 1
+        self.groups_left = len(self.group_left)
+        self.process = endpoint.process
+
+    def arrived(self, i: int, j: int, n: int) -> None:
+        """Counts n verified bytes of piece j of leaf i; finishes blocks and the receive."""
+        with self.lock:
+            self.handle.wire_bytes += n
+            self.left[i, j] -= n
+            if self.left[i, j]:
+                return
+            plan = self.expect.plans[i]
+            gi = plan.pieces[j].group
+            self.group_left[i, gi] -= 1
+            if self.group_left[i, gi]:
+                return
+        # The block is complete: host -> device now, while other chunks still arrive.
+        group = plan.groups[gi]
+        parts = [(p, self.buffers[i, k]) for k, p in enumerate(plan.pieces) if (i, k) in self.buffers and p.group == gi]
+        block = core.block_from_host_pieces(plan, group, parts, self.expect.avals[i].dtype)
+        device = self.expect.avals[i].sharding.mesh.devices.flat[group.receiver]
+        block = jax.device_put(block, device)
+        with self.lock:
+            self.blocks[i][gi] = block
+            self.groups_left -= 1
+            finished = self.groups_left == 0
+        if finished:
+            self.finish()
+
+    def finish(self):
+        try:
+            out = [core.build(a, p, d, self.process, b)
+                   for a, p, d, b in zip(self.expect.avals, self.expect.plans, self.expect.dst, self.blocks)]
+            self.future.set_result(jax.tree.unflatten(self.expect.treedef, out))
+        except Exception as e:  # noqa: BLE001 - handed to the waiter
+            self.fail(e)
+
+    def fail(self, error: Exception) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+class HostEndpoint(Endpoint):
+    def __init__(self, cfg, process_index=None):
+        super().__init__(cfg, process_index)
+        self._secret = cfg.secret()
+        self._checksum = _CHECKSUM[cfg.checksum]
+        self._inboxes: dict[str, _Inbox] = {}
+        self._posted = threading.Condition()
+        self._pipes: dict[tuple, tuple[threading.Lock, list]] = {}
+        self._pipes_lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        self._closed = False
+        self.refused = 0  # connections refused for a wrong secret
+        self.bytes_received = 0
+        self._listeners, addresses = [], []
+        for host in cfg.listen_addresses:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            s = socket.socket(family, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, cfg.port))
+            except OSError as e:
+                raise TransferError(f"link.bind_address/nic_addresses: cannot listen on {host}:{cfg.port} ({e})") from None
+            s.listen(64)
+            self._listeners.append(s)
+            addresses.append(f"[{host}]:{s.getsockname()[1]}" if ":" in host else f"{host}:{s.getsockname()[1]}")
+            threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+        self.addresses = tuple(addresses)
+
+    # -- receiving -------------------------------------------------------------------
+
+    def recv(self, tag, like, src, peers=None):
+        expect = self.prepare_recv(tag, like, src)
+        senders = sorted({p.src_process for plan in expect.plans for p in plan.received_by(self.process)})
+        who = ", ".join(f"process {p}" + (f" at {','.join(peers[p])}" if peers and p in peers else "") for p in senders)
+        handle = core.Handle(core.futures.Future(), f"recv {tag!r} from source {who}")
+        inbox = _Inbox(self, tag, expect, handle)
+        handle._idle, handle._timeout_s = inbox.activity.idle, self.cfg.timeout_s
+        with self._posted:
+            if tag in self._inboxes:
+                raise TransferError(f"recv {tag!r}: a receive with this tag is already posted; tags must be unique in flight")
+            self._inboxes[tag] = inbox
+            self._posted.notify_all()
+        handle._future.add_done_callback(lambda _: self._drop(tag, inbox))
+        if not inbox.left:
+            inbox.finish()
+        return handle
+
+    def _drop(self, tag, inbox):
+        with self._posted:
+            if self._inboxes.get(tag) is inbox:
+                del self._inboxes[tag]
+
+    def _accept(self, listener):
+        while not self._closed:
+            try:
+                conn, addr = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn, f"{addr[0]}:{addr[1]}"), daemon=True).start()
+
+    def _serve(self, conn, peer):
+        """One incoming stream: handshake, then chunks until the peer closes."""
+        conn.settimeout(self.cfg.timeout_s)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._conns.append(conn)
+        inbox = None
+        try:
+            nonce = os.urandom(32)
+            conn.sendall(nonce)
+            answer = _recv_exact(conn, 64, peer)
+            if not hmac.compare_digest(answer[32:], _mac(self._secret, b"client", nonce)):
+                self.refused += 1
+                log.warning("transfer: refused a connection from %s: it did not prove the job's shared secret", peer)
+                return
+            conn.sendall(_mac(self._secret, b"server", answer[:32]))
+            while True:
+                try:
+                    kind, meta = _read_frame(conn, peer, idle_ok=True, timeout_s=self.cfg.timeout_s)
+                except EOFError:
+                    return
+                if kind == _END:  # every chunk before it on this stream was verified
+                    _send_frame(conn, _ACK, {"tag": meta.get("tag")}, peer)
+                    continue
+                inbox = self._inbox(meta.get("tag"), peer)
+                self._chunk(conn, peer, inbox, meta)
+                inbox = None
+        except Exception as e:  # noqa: BLE001 - reported to the receive it broke, and logged
+            if inbox is not None:
+                inbox.fail(e)
+            if not self._closed:
+                log.warning("transfer: stream from %s closed: %s", peer, e)
+        finally:
+            conn.close()
+
+    def _inbox(self, tag, peer) -> _Inbox:
+        """The posted receive for `tag`, waiting up to timeout_s for it to be posted."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        with self._posted:
+            while tag not in self._inboxes:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    raise TransferError(f"peer {peer} sent tag {tag!r}, but no receive for it was posted "
+                                        f"within {self.cfg.timeout_s:g} s; message refused")
+                self._posted.wait(left)
+            return self._inboxes[tag]
+
+    def _chunk(self, conn, peer, inbox: _Inbox, meta: dict) -> None:
+        tag, i, j = inbox.tag, meta["leaf"], meta["piece"]
+        avals, plans = inbox.expect.avals, inbox.expect.plans
+        if not 0 <= i < len(avals):
+            raise TransferError(f"recv {tag!r}: peer {peer} sent leaf {i}, but the receiver expects {len(avals)} leaves")
+        check_leaf(tag, i, meta["shape"], jnp.dtype(meta["dtype"]), avals[i])
+        region = tuple(tuple(r) for r in meta["region"])
+        if (i, j) not in inbox.buffers or plans[i].pieces[j].region != region:
+            raise TransferError(f"recv {tag!r}: peer {peer} sent piece {j} {region} of leaf {i}, which this "
+                                f"process's plan does not expect here; the two islands disagree on the layouts")
+        buf = inbox.buffers[i, j].reshape(-1).view(np.uint8)
+        offset, n = meta["offset"], meta["n"]
+        if not (0 <= offset and offset + n <= buf.size):
+            raise TransferError(f"recv {tag!r}: peer {peer} sent bytes {offset}..{offset + n} of a {buf.size}-byte piece")
+        view = memoryview(buf)[offset:offset + n]
+        _recv_into(conn, view, peer)
+        if self._checksum(view) != meta["sum"]:
+            raise TransferError(f"recv {tag!r}: a chunk from peer {peer} (leaf {i}, piece {j}, bytes "
+                                f"{offset}..{offset + n}) failed its {self.cfg.checksum} check: the data was corrupted")
+        inbox.activity.touch()
+        self.bytes_received += n
+        inbox.arrived(i, j, n)
+
+    # -- sending ---------------------------------------------------------------------
+
+    def send(self, tree, tag, dst, peers=None):
+        leaves, plans, _ = self.prepare_send(tree, tag, dst)
+        work: dict[int, list] = {}
+        for i, plan in enumerate(plans):
+            for j, piece in enumerate(plan.pieces):
+                if piece.src_process == self.process:
+                    work.setdefault(piece.dst_process, []).append((i, j, piece))
+        for q in work:
+            if not peers or not peers.get(q):
+                raise TransferError(f"send {tag!r}: no address for destination process {q}; pass "
+                                    f"peers={{{q}: endpoint.addresses of that process}}")
+        handle = core.Handle(None, f"send {tag!r}")
+        jobs = [core.run_async(self._send_to, tag, leaves, plans, tuple(peers[q]), items, handle)
+                for q, items in sorted(work.items())]
+        handle._future = core.run_async(lambda: [job.result() for job in jobs] and None)
+        return handle
+
+    def _pipe(self, addresses: tuple[str, ...]):
+        with self._pipes_lock:
+            if addresses not in self._pipes:
+                self._pipes[addresses] = (threading.Lock(), [])
+            return self._pipes[addresses]
+
+    def _connect(self, address: str) -> socket.socket:
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while True:  # the peer may still be starting
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=self.cfg.timeout_s)
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(f"peer {address} did not accept a connection within "
+                                          f"{self.cfg.timeout_s:g} s ({e})") from None
+                time.sleep(0.05)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = os.urandom(32)
+        challenge = _recv_exact(sock, 32, address)
+        sock.sendall(nonce + _mac(self._secret, b"client", challenge))
+        try:
+            proof = _recv_exact(sock, 32, address)
+        except PeerLost:
+            raise TransferError(f"peer {address} refused the connection: the shared secrets differ") from None
+        if not hmac.compare_digest(proof, _mac(self._secret, b"server", nonce)):
+            raise TransferError(f"peer {address} did not prove the job's shared secret; not sending to it")
+        return sock
+
+    def _send_to(self, tag, leaves, plans, addresses, items, handle):
+        lock, socks = self._pipe(addresses)
+        with lock:
+            try:
+                while len(socks) < self.cfg.streams:
+                    socks.append(self._connect(addresses[len(socks) % len(addresses)]))
+                self._push(tag, leaves, plans, addresses, items, handle, socks)
+            except BaseException:
+                for s in socks:
+                    s.close()
+                socks.clear()  # reconnect next time
+                raise
+
+    def _push(self, tag, leaves, plans, addresses, items, handle, socks):
+        chunks: queue.Queue = queue.Queue(maxsize=2 * len(socks))
+        stop = threading.Event()
+
+        def produce():  # device -> host copies run ahead of the streams
+            try:
+                for i, j, piece in items:
+                    x = leaves[i]
+                    itemsize = np.dtype(x.dtype).itemsize
+                    meta = {"tag": tag, "leaf": i, "piece": j, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
+                            "region": [list(r) for r in piece.region]}
+                    for sub, offset in split(piece.region, itemsize, self.cfg.chunk_bytes):
+                        data = _host_chunk(x, plans[i], piece, sub)
+                        while not stop.is_set():
+                            try:
+                                chunks.put((meta, offset, data), timeout=0.1)
+                                break
+                            except queue.Full:
+                                pass
+                        if stop.is_set():
+                            return
+            finally:
+                for _ in socks:
+                    while not stop.is_set():
+                        try:
+                            chunks.put(None, timeout=0.1)
+                            break
+                        except queue.Full:
+                            pass
+
+        def stream(sock, address):
+            while (item := chunks.get()) is not None:
+                meta, offset, data = item
+                payload = memoryview(np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8))
+                frame = dict(meta, offset=offset, n=payload.nbytes, sum=self._checksum(payload))
+                _send_frame(sock, _CHUNK, frame, address)
+                try:
+                    sock.sendall(payload)
+                except socket.timeout:
+                    raise TransferTimeout(f"peer {address} stopped reading (LinkConfig.timeout_s)") from None
+                except OSError as e:
+                    raise PeerLost(f"peer {address}: connection lost ({e})") from None
+                with _counted:
+                    handle.wire_bytes += payload.nbytes
+            _send_frame(sock, _END, {"tag": tag}, address)
+            try:
+                kind, meta = _read_frame(sock, address, idle_ok=False, timeout_s=self.cfg.timeout_s)
+            except PeerLost:
+                raise TransferError(f"send {tag!r}: peer {address} closed the stream instead of acknowledging; "
+                                    f"see its log (wrong tag, shape, dtype or a failed checksum)") from None
+            assert kind == _ACK and meta["tag"] == tag, (kind, meta)
+
+        producer = core.run_async(produce)
+        streams = [core.run_async(stream, s, addresses[k % len(addresses)]) for k, s in enumerate(socks)]
+        try:
+            for f in streams:
+                f.result()
+        finally:
+            stop.set()
+            while not producer.done():
+                try:
+                    chunks.get_nowait()
+                except queue.Empty:
+                    time.sleep(0.01)
+        producer.result()
+
+    def close(self):
+        self._closed = True
+        for s in self._listeners + self._conns:
+            s.close()
+        with self._pipes_lock:
+            for _, socks in self._pipes.values():
+                for s in socks:
+                    s.close()
+        with self._posted:
+            self._posted.notify_all()
+
+
+def _host_chunk(x: jax.Array, plan, piece, sub):
+    """Chunk `sub` of a piece as host memory: a view on CPU (no copy when contiguous);
+    elsewhere a device-side slice whose copy to the host starts now (it is read later)."""
+    data = core.shard_on(x, piece.src)
+    within = plan.src_regions[piece.src]
+    index = core.local_slices(sub, within)
+    if next(iter(data.devices())).platform == "cpu":
+        return np.asarray(data)[index]
+    part = core.as_bits(data)[index]
+    part.copy_to_host_async()
+    return part

@@ -1,0 +1,207 @@
+"""Transfers in one process: every backend moves random trees bit for bit; safety checks."""
+
+import logging
+import math
+import socket
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hetjax.config import ConfigError
+from hetjax.transfer import LinkConfig, TransferError, TransferTimeout, open_endpoint
+from hetjax.transfer.plan import Layout
+from tests.test_transfer_plan import cases
+
+SECRET = "test-secret-0123456789abcdef"
+DTYPES = {"float32": np.uint32, "bfloat16": np.uint16, "int32": np.uint32}
+
+
+@pytest.fixture(autouse=True)
+def secret(monkeypatch):
+    monkeypatch.setenv("HETJAX_TRANSFER_SECRET", SECRET)
+
+
+def sharding(layout: Layout, devices) -> NamedSharding:
+    grid = np.array(devices[:math.prod(layout.mesh_shape)]).reshape(layout.mesh_shape)
+    return NamedSharding(Mesh(grid, layout.axis_names), P(*layout.spec))
+
+
+def random_array(shape, dtype, seed, sharding_):
+    """Random bit patterns (NaNs included for floats): equality is checked on the bits."""
+    bits = np.random.default_rng(seed).integers(0, 2**31, size=shape).astype(DTYPES[dtype])
+    return jax.device_put(bits.view(jnp.dtype(dtype)), sharding_)
+
+
+def bits(x):
+    x = np.asarray(x)
+    return x.view(DTYPES[x.dtype.name])
+
+
+def endpoints(backend, **kw):
+    cfg = LinkConfig(backend=backend, **{"timeout_s": 20, **kw})
+    a, b = open_endpoint(cfg), open_endpoint(cfg)
+    return a, b
+
+
+def move(a, b, tree, dst_shardings, tag="t"):
+    like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, dst_shardings)
+    src = jax.tree.map(lambda x: x.sharding, tree)
+    r = b.recv(tag, like, src, peers={0: a.addresses})
+    h = a.send(tree, tag, dst_shardings, peers={0: b.addresses})
+    out = r.wait()
+    h.wait()
+    return out, r, h
+
+
+@pytest.mark.parametrize("backend,examples", [("local", 12), ("host", 8), ("direct", 6)])
+def test_random_trees_arrive_bit_for_bit(backend, examples):
+    devices = jax.devices()
+    a, b = endpoints(backend, chunk_bytes=4096, streams=2)
+
+    @settings(max_examples=examples, deadline=None)
+    @given(cases(), st.sampled_from(sorted(DTYPES)), st.integers(0, 2**16))
+    def check(case, dtype, seed):
+        shape, _, src, dst = case
+        src_sh, dst_sh = sharding(src, devices), sharding(dst, devices[::-1])  # other devices, other order
+        x = random_array(shape, dtype, seed, src_sh)
+        y = random_array(shape[::-1], "int32", seed + 1, NamedSharding(src_sh.mesh, P()))
+        tag = f"case{seed}/{dtype}"
+        out, r, _ = move(a, b, {"x": x, "y": [y]}, {"x": dst_sh, "y": [NamedSharding(dst_sh.mesh, P())]}, tag)
+        assert out["x"].sharding == dst_sh and out["y"][0].sharding.spec == P()
+        np.testing.assert_array_equal(bits(out["x"]), bits(x))
+        np.testing.assert_array_equal(bits(out["y"][0]), bits(y))
+        for shard in out["x"].addressable_shards:  # every replica holds its block
+            np.testing.assert_array_equal(bits(shard.data), bits(np.asarray(x)[shard.index]))
+        # The replica groups tile the array: one copy of each byte crossed, however replicated.
+        assert r.wire_bytes == x.nbytes + y.nbytes
+
+    try:
+        check()
+    finally:
+        a.close(), b.close()
+
+
+@pytest.mark.parametrize("backend", ["local", "host", "direct"])
+def test_replicated_destination_receives_one_copy(backend):
+    d = jax.devices()
+    x = random_array((16, 8), "float32", 0, NamedSharding(Mesh(np.array(d[:4]), ("a",)), P("a")))
+    dst = NamedSharding(Mesh(np.array(d[4:]).reshape(2, 2), ("p", "q")), P())  # 4 replicas
+    a, b = endpoints(backend)
+    try:
+        out, r, h = move(a, b, x, dst)
+        np.testing.assert_array_equal(bits(out), bits(x))
+        assert r.wire_bytes == h.wire_bytes == x.nbytes  # one copy, not four
+        if backend == "host":
+            assert b.bytes_received == x.nbytes
+    finally:
+        a.close(), b.close()
+
+
+def test_fan_out_through_the_destination_collective_is_bit_exact():
+    """Destinations spread over processes fan out with a psum of bits; check it here."""
+    from hetjax.transfer.core import fan_out
+    d = jax.devices()
+    mesh = Mesh(np.array(d).reshape(2, 4), ("r", "s"))
+    sh = NamedSharding(mesh, P(None, "s"))
+    x = random_array((4, 8), "bfloat16", 3, sh)
+    shards = [s.data if s.device in mesh.devices[0] else jnp.zeros_like(s.data) for s in x.addressable_shards]
+    only_row0 = jax.make_array_from_single_device_arrays(x.shape, sh, shards)
+    np.testing.assert_array_equal(bits(fan_out(only_row0)), bits(x))
+
+
+def test_wrong_secret_is_refused_and_logged(monkeypatch, caplog):
+    b = open_endpoint(LinkConfig(timeout_s=5))
+    monkeypatch.setenv("HETJAX_TRANSFER_SECRET", "another-secret-of-sufficient-size")
+    a = open_endpoint(LinkConfig(timeout_s=5))
+    x = jax.device_put(jnp.ones((4,)), jax.devices()[0])
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P())
+    x = jax.device_put(x, sh)
+    with caplog.at_level(logging.WARNING, logger="hetjax.transfer"):
+        with pytest.raises(TransferError, match="refused the connection: the shared secrets differ"):
+            a.send(x, "t", sh, peers={0: b.addresses}).wait()
+    assert b.refused == 1 and "did not prove the job's shared secret" in caplog.text
+    a.close(), b.close()
+
+
+def _corrupting_proxy(upstream: str, flip_at: int) -> str:
+    """A TCP proxy that flips one bit of the client->server byte stream at flip_at."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    host, port = upstream.rsplit(":", 1)
+
+    def pump(src, dst, flip):
+        seen = 0
+        try:
+            while data := src.recv(65536):
+                if flip and seen <= flip_at < seen + len(data):
+                    data = bytearray(data)
+                    data[flip_at - seen] ^= 0x10
+                seen += len(data)
+                dst.sendall(bytes(data))
+        except OSError:
+            pass
+        finally:  # either side gone: hang up on both, as a router would
+            src.close(), dst.close()
+
+    def serve():
+        client, _ = listener.accept()
+        server = socket.create_connection((host, int(port)))
+        threading.Thread(target=pump, args=(client, server, True), daemon=True).start()
+        pump(server, client, False)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_corrupted_chunk_is_detected():
+    a, b = endpoints("host", streams=1, chunk_bytes=4096, timeout_s=3.0)
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P())
+    x = random_array((64, 64), "float32", 1, sh)
+    r = b.recv("t", jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), sh)
+    # 64 handshake bytes, then a ~300-byte header, then the first 4 KiB payload.
+    h = a.send(x, "t", sh, peers={0: (_corrupting_proxy(b.addresses[0], 64 + 1500),)})
+    with pytest.raises(TransferError, match="failed its crc32 check"):
+        r.wait()
+    with pytest.raises(TransferError):
+        h.wait()
+    a.close(), b.close()
+
+
+def test_wrong_shape_dtype_or_tag_is_refused():
+    a, b = endpoints("host", timeout_s=2.0)
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))
+    x = random_array((8, 4), "int32", 2, sh)
+    for shape, dtype, match in [((8, 4), jnp.float32, "arrived as int32\\[8, 4\\] but the receiver expects float32"),
+                                ((8, 2), jnp.int32, "expects int32\\[8, 2\\]")]:
+        r = b.recv("t", jax.ShapeDtypeStruct(shape, dtype, sharding=sh), sh)
+        h = a.send(x, "t", sh, peers={0: b.addresses})
+        with pytest.raises(TransferError, match=match):
+            r.wait()
+        with pytest.raises(TransferError):
+            h.wait()
+    r = b.recv("expected", jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), sh)
+    with pytest.raises(TransferError, match="sent tag 'other', but no receive for it was posted|closed the stream"):
+        a.send(x, "other", sh, peers={0: b.addresses}).wait()
+    with pytest.raises(TransferTimeout, match="recv 'expected' from source process 0"):
+        r.wait()
+    a.close(), b.close()
+
+
+def test_bad_link_config_names_the_field(monkeypatch):
+    with pytest.raises(ConfigError, match=r"link.streams=0"):
+        LinkConfig(streams=0).validate()
+    with pytest.raises(ConfigError, match=r"link.backend='nccl'"):
+        LinkConfig(backend="nccl").validate()
+    with pytest.raises(ConfigError, match=r"link.chunk_bytes=10"):
+        LinkConfig(chunk_bytes=10).validate()
+    monkeypatch.delenv("HETJAX_TRANSFER_SECRET")
+    with pytest.raises(ConfigError, match="HETJAX_TRANSFER_SECRET"):
+        open_endpoint(LinkConfig(backend="host"))
+    with pytest.raises(ConfigError, match="secret_file='/nonexistent'"):
+        open_endpoint(LinkConfig(secret_file="/nonexistent"))
