@@ -119,6 +119,17 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints in `dir` (default: run_dir/checkpoints); a restarted run resumes."""
+
+    every: int = 100  # save every N steps (and at the end, and on SIGTERM); 0: only those
+    keep: int = 3  # keep the newest K ...
+    keep_every: int = 0  # ... plus every M-th step (0: none)
+    async_save: bool = True  # write in a background thread while training goes on
+    dir: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     name: str = "tiny"
     model: ModelConfig = ModelConfig()
@@ -139,6 +150,8 @@ class Config:
     memory_fraction: float = 0.9
     device_memory_gib: float = 0.0  # 0: ask the device (on CPU: host memory / local devices)
     peak_tflops: float = 0.0  # per device for MFU; 0: the platform table (CPU: measured)
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    init_from: str = ""  # start a new run from these saved weights (fresh optimizer, step 0)
 
 
 # ---------------------------------------------------------------------------
@@ -298,6 +311,15 @@ def validate(cfg: Config) -> None:
             f"config.sharding.max_replicated_fraction={cfg.sharding.max_replicated_fraction}: "
             f"must lie in [0, 1]")
     _validate_rules(cfg.sharding.rules, m)
+    _validate_checkpoint(cfg.checkpoint)
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    for key in ("every", "keep_every"):
+        if getattr(c, key) < 0:
+            raise ConfigError(f"config.checkpoint.{key}={getattr(c, key)}: use 0 (off) or a positive step count")
+    if c.keep < 1:
+        raise ConfigError(f"config.checkpoint.keep={c.keep}: keep at least 1 checkpoint, or resume is impossible")
 
 
 def _validate_rules(rules, m: ModelConfig) -> None:
