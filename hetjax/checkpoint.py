@@ -106,13 +106,14 @@ def leaf_hashes(tree) -> dict[str, str]:
     return {_path(p): f"{int(h[0]):08x}{int(h[1]):08x}" for (p, _), h in zip(leaves, hashes)}
 
 
-def fingerprint(params) -> str:
+def fingerprint(params, hashes: dict[str, str] | None = None) -> str:
     """One hex digest of the parameters' names, shapes, dtypes and exact bits. It does
-    not depend on the mesh, the sharding or the number of processes."""
-    hashes = leaf_hashes(params)
+    not depend on the mesh, the sharding or the number of processes. `hashes`:
+    leaf_hashes(params), when already computed."""
+    hashes = leaf_hashes(params) if hashes is None else hashes
     leaves = {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     h = hashlib.sha256()
-    for name in sorted(hashes):
+    for name in sorted(leaves):
         x = leaves[name]
         h.update(f"{name}|{tuple(x.shape)}|{jnp.dtype(x.dtype).name}|{hashes[name]};".encode())
     return h.hexdigest()[:32]
@@ -177,9 +178,10 @@ class Manager:
         """Starts an asynchronous save of `state` as checkpoint `step`. Raises
         CheckpointError if this save or the previous asynchronous one failed."""
         self._raise_pending_errors()
-        meta = {"step": step, "params_fingerprint": fingerprint(state.params),
-                "checksums": leaf_hashes({"params": state.params, "opt_state": state.opt_state}),
-                "time": time.time()}
+        checksums = leaf_hashes({"params": state.params, "opt_state": state.opt_state})
+        params_hashes = {k.removeprefix("params/"): v for k, v in checksums.items() if k.startswith("params/")}
+        meta = {"step": step, "params_fingerprint": fingerprint(state.params, params_hashes),
+                "checksums": checksums, "time": time.time()}
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params),
             opt_state=ocp.args.StandardSave(state.opt_state),

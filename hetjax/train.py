@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     args = config_lib.parse_command_line(sys.argv[1:] if argv is None else argv)
     cfg = config_lib.load(args.config, args.overrides)
     config_lib.validate(cfg)
+    if cfg.init_from:
+        checkpoint.find_checkpoint_dir(cfg.init_from)  # a wrong path fails before compiling
 
     # Everything below up to create_state is abstract: no parameter is allocated.
     mesh = make_mesh(cfg.mesh)
