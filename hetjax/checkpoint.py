@@ -205,10 +205,14 @@ class Manager:
         except Exception as e:
             step, self._pending = self._pending, None
             raise self._save_error(step, e) from e
-        if self._pending is not None and self._pending not in self._manager.all_steps(read=True):
+        if self._pending is not None and self._pending not in self._on_disk():
             step, self._pending = self._pending, None
             raise self._save_error(step, RuntimeError("the step directory was not committed"))
         self._pending = None
+
+    def _on_disk(self) -> list[int]:
+        self._manager.reload()
+        return list(self._manager.all_steps())
 
     def _raise_pending_errors(self):
         if self._pending is not None:
@@ -219,7 +223,7 @@ class Manager:
                 raise self._save_error(step, e) from e
 
     def _save_error(self, step, error) -> CheckpointError:
-        good = [s for s in self._manager.all_steps(read=True) if s != step]
+        good = [s for s in self._on_disk() if s != step]
         kept = f"the previous checkpoint (step {max(good)}) is untouched" if good else "no earlier checkpoint exists"
         return CheckpointError(
             f"saving checkpoint step {step} to {self.directory} failed: {type(error).__name__}: "
