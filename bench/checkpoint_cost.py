@@ -12,7 +12,6 @@ background write all included; the final wait is counted too). The last line is
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import tempfile
 import time
