@@ -42,7 +42,7 @@ def start(run_dir):
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def wait_for_step(proc, run_dir, k, timeout=120):
+def wait_for_step(proc, run_dir, k, timeout=300):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         path = run_dir / "metrics.jsonl"
@@ -66,13 +66,13 @@ def test_sigkill_and_sigterm_then_resume_give_the_same_losses_bit_for_bit(tmp_pa
     proc = start(run)
     wait_for_step(proc, run, kill_at)
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    proc.wait(timeout=60)
     committed = checkpoint.Manager(run / "checkpoints", read_only=True).steps()
 
     proc = start(run)  # same run_dir, no flag: resumes
     wait_for_step(proc, run, 8)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=300)
     assert proc.returncode == train.PREEMPTED, out
     assert not committed or f"resumed from step {max(committed)}" in out, (committed, out)
     assert "preempted (SIGTERM): saved step" in out, out
