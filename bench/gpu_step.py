@@ -84,8 +84,8 @@ def main(argv: list[str]) -> int:
     train_step = step_lib.compile_train_step(cfg, prog.graphdef, prog.tx, prog.state,
                                              prog.state_shardings, mesh)
     state = state_lib.create_state(cfg.model, cfg.seed, prog.tx, prog.state_shardings)
-    stream = data.SyntheticStream(cfg.model.vocab_size, cfg.seq_len, seed=0)
-    batches = [data.global_batch(stream, s, cfg.batch_size, prog.batch_shardings) for s in range(4)]
+    dataset = data.build(cfg)
+    batches = [dataset.batch(s, prog.batch_shardings) for s in range(4)]
     num_params = sum(math.prod(l.shape) for l in prog.layouts)
     flops_per_step = metrics.model_flops_per_token(cfg, num_params) * cfg.batch_size * cfg.seq_len
     device = jax.local_devices()[0]

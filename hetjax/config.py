@@ -144,6 +144,17 @@ class CompileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints in `dir` (default: run_dir/checkpoints); a restarted run resumes."""
+
+    every: int = 100  # save every N steps (and at the end, and on SIGTERM); 0: only those
+    keep: int = 3  # keep the newest K ...
+    keep_every: int = 0  # ... plus every M-th step (0: none)
+    async_save: bool = True  # write in a background thread while training goes on
+    dir: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     name: str = "tiny"
     model: ModelConfig = ModelConfig()
@@ -165,6 +176,8 @@ class Config:
     memory_fraction: float = 0.9
     device_memory_gib: float = 0.0  # 0: ask the device (on CPU: host memory / local devices)
     peak_tflops: float = 0.0  # per device for MFU; 0: the platform table (CPU: measured)
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    init_from: str = ""  # start a new run from these saved weights (fresh optimizer, step 0)
 
 
 # ---------------------------------------------------------------------------
@@ -329,6 +342,7 @@ def validate(cfg: Config) -> None:
     if cfg.compile.platform != "auto":
         profiles.check_platform(cfg.compile.platform, "config.compile.platform")
     _validate_data(cfg)
+    _validate_checkpoint(cfg.checkpoint)
 
 
 DATA_SOURCES = ("synthetic", "text", "jsonl", "array_record")
@@ -351,6 +365,14 @@ def _validate_data(cfg: Config) -> None:
             raise ConfigError(f"config.data.{key}={getattr(d, key)}: must be >= 0")
     if d.start_step >= cfg.steps:
         raise ConfigError(f"config.data.start_step={d.start_step}: must be below config.steps={cfg.steps}")
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    for key in ("every", "keep_every"):
+        if getattr(c, key) < 0:
+            raise ConfigError(f"config.checkpoint.{key}={getattr(c, key)}: use 0 (off) or a positive step count")
+    if c.keep < 1:
+        raise ConfigError(f"config.checkpoint.keep={c.keep}: keep at least 1 checkpoint, or resume is impossible")
 
 
 def _validate_rules(rules, m: ModelConfig) -> None:

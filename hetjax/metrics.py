@@ -87,3 +87,29 @@ class Writer:
             self.tb.close()
         if self.bar is not None:
             self.bar.close()
+
+
+def truncate(run_dir: Path, start: int) -> None:
+    """Prepares metrics.jsonl for a run resumed at step `start`.
+
+    Rows of steps >= start (written after the checkpoint, before the process died)
+    will be computed again, bit for bit, so they move to metrics.superseded.jsonl,
+    as does a torn last line; every row before `start` stays where it was.
+    """
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    keep, moved = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            row = json.loads(line)
+            complete = line.endswith("\n")
+        except json.JSONDecodeError:
+            row, complete = None, False
+        (keep if complete and row["step"] < start else moved).append(line if line.endswith("\n") else line + "\n")
+    if moved:
+        with open(run_dir / "metrics.superseded.jsonl", "a") as f:
+            f.writelines(moved)
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(keep))
+        tmp.replace(path)

@@ -7,6 +7,7 @@ abstract inputs and prints the compiler's memory and FLOP figures instead.
 from __future__ import annotations
 
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from hetjax import checkpoint
 from hetjax import config as config_lib
 from hetjax import data, memory, metrics, optim, sharding, step
 from hetjax import state as state_lib
@@ -25,12 +27,17 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
+PREEMPTED = 143  # exit status after SIGTERM: 128 + 15, as if the signal had killed us
+
+
 def main(argv: list[str] | None = None) -> int:
     args = config_lib.parse_command_line(sys.argv[1:] if argv is None else argv)
     cfg = config_lib.load(args.config, args.overrides)
     config_lib.validate(cfg)
     print(backend.start(cfg), flush=True)  # XLA flags and env before jax touches a device
     dataset = data.build(cfg)  # bad data is reported before anything is compiled
+    if cfg.init_from:
+        checkpoint.find_checkpoint_dir(cfg.init_from)  # a wrong path fails before compiling
 
     # Everything below up to create_state is abstract: no parameter is allocated.
     mesh = make_mesh(cfg.mesh)
@@ -65,14 +72,30 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_lib.save(cfg, run_dir / "config.json")
-    state = state_lib.create_state(cfg.model, cfg.seed, tx, state_shardings)
+    ckpt = checkpoint.Manager(checkpoint.default_dir(cfg), cfg.checkpoint)
+    # Resume the run's own checkpoint if it has one (same run_dir, no flag); else
+    # start from config.init_from's weights; else initialise.
+    restored = ckpt.restore_latest(abstract_state, state_shardings)
+    if restored is not None:
+        state, start = restored.state, restored.step
+        print(f"resumed from step {start} of {ckpt.directory} "
+              f"(parameter fingerprint {restored.meta['params_fingerprint']})", flush=True)
+    elif cfg.init_from:
+        params = checkpoint.load_params(cfg.init_from, abstract_state.params, state_shardings.params)
+        state, start = checkpoint.fresh_state(params, tx, state_shardings), cfg.data.start_step
+    else:
+        state, start = state_lib.create_state(cfg.model, cfg.seed, tx, state_shardings), cfg.data.start_step
     eval_step = step.compile_eval_step(cfg, graphdef, abstract_state.params, state_shardings.params, mesh)
-    batches = dataset.iterator(batch_shardings, cfg.data.start_step)
+    batches = dataset.iterator(batch_shardings, start)
+    if restored is not None:
+        batches.set_state(restored.data_state)  # refuses a state saved for other data
+        assert batches.get_state()["step"] == start, (batches.get_state(), start)
     peak, peak_source = metrics.peak_flops(cfg, list(mesh.devices.flat))
     floor = "" if dataset.floor is None else f"; its best possible loss is {dataset.floor:.4f}"
     print(f"MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source}); data: {dataset.description}"
           f"{floor}", flush=True)
 
+    metrics.truncate(run_dir, start)
     writer = metrics.Writer(run_dir, cfg.steps, cfg.tensorboard)
     last_finite, clock = -1, time.perf_counter()
 
@@ -102,9 +125,18 @@ def main(argv: list[str] | None = None) -> int:
         writer.write(s, {"eval_loss": loss}, echo=True)
         clock = time.perf_counter()  # eval time is not step time
 
+    def save(s):
+        nonlocal previous
+        if previous is not None:  # every step before a checkpoint is in metrics.jsonl
+            report(*previous)
+            previous = None
+        ckpt.save(s, state, batches.get_state(), config_lib.to_dict(cfg))
+
+    preempted = []
+    previous_handler = signal.signal(signal.SIGTERM, lambda *_: preempted.append(True))
     try:
         previous = None
-        for s in range(cfg.data.start_step, cfg.steps):
+        for s in range(start, cfg.steps):
             state, step_metrics = train_step(state, next(batches))
             # Read the previous step's metrics only now, so the device is never idle
             # waiting for the host.
@@ -115,13 +147,23 @@ def main(argv: list[str] | None = None) -> int:
                 report(*previous)
                 previous = None
                 evaluate(s)
+            if preempted or ckpt.should_save(s + 1):
+                save(s + 1)
+            if preempted:
+                ckpt.wait()
+                print(f"preempted (SIGTERM): saved step {s + 1} in {ckpt.directory}", flush=True)
+                return PREEMPTED
         if previous is not None:
             report(*previous)
-        if cfg.eval_every and cfg.steps % cfg.eval_every:
+        if cfg.eval_every and cfg.steps % cfg.eval_every and start < cfg.steps:
             evaluate(cfg.steps - 1)
+        if cfg.steps not in ckpt.steps():
+            save(cfg.steps)
     finally:
         batches.close()
+        signal.signal(signal.SIGTERM, previous_handler)
         writer.close()
+        ckpt.close()
     print(f"done: {cfg.steps} steps; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
     return 0
 
@@ -132,7 +174,7 @@ def cli() -> int:
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except TrainingDiverged as e:
+    except (TrainingDiverged, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -62,9 +62,9 @@ def test_cpu_artifact_matches_the_jitted_step_bit_for_bit(tmp_path):
     ours = state_lib.create_state(CFG.model, CFG.seed, prog.tx, prog.state_shardings)
     # Two copies (both steps donate their state), made by one program.
     theirs = jax.jit(lambda t: jax.tree.map(jnp.copy, t))(ours)
-    stream = data.SyntheticStream(CFG.model.vocab_size, CFG.seq_len, seed=0)
+    dataset = data.build(CFG)
     for s in range(2):
-        batch = data.global_batch(stream, s, CFG.batch_size, prog.batch_shardings)
+        batch = dataset.batch(s, prog.batch_shardings)
         ours, m_ours = loaded.train_step(ours, batch)
         theirs, m_theirs = jitted(theirs, batch)
         for a, b in zip(jax.tree.leaves((ours, m_ours)), jax.tree.leaves((theirs, m_theirs)), strict=True):

@@ -1,0 +1,91 @@
+"""Training time lost per asynchronous checkpoint save, as a share of one step.
+
+    python -m bench.checkpoint_cost [--steps 20] [--every 10] [--rounds 2] [--embed 128]
+
+In one process, with one compiled step, alternates rounds of `steps` training steps
+without saves (the baseline) and with an async save every `every` steps through
+hetjax.checkpoint.Manager (fingerprint, checksums, the host copy, and orbax's
+background write all included; the final wait is counted too). The last line is
+(time with saves - time without) / saves / median step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import jax
+
+from hetjax import checkpoint, data, step
+from hetjax import state as state_lib
+from hetjax.config import CheckpointConfig, Config, MeshConfig, ModelConfig
+from hetjax.mesh import make_mesh
+from hetjax.optim import make_optimizer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--embed", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    args = p.parse_args()
+    d = args.embed
+    cfg = Config(model=ModelConfig(vocab_size=1024, num_layers=4, embed_dim=d, mlp_dim=3 * d, num_heads=4,
+                                   num_kv_heads=2, head_dim=d // 4), mesh=MeshConfig(fsdp=-1),
+                 batch_size=args.batch, seq_len=128, steps=10_000)
+    mesh = make_mesh(cfg.mesh)
+    tx = make_optimizer(cfg.optim, cfg.steps)
+    graphdef, abstract = state_lib.abstract_state(cfg.model, cfg.seed, tx)
+    shardings = state_lib.state_shardings(abstract, mesh, cfg.sharding.rules)
+    state = state_lib.create_state(cfg.model, cfg.seed, tx, shardings)
+    train_step = step.compile_train_step(cfg, graphdef, tx, abstract, shardings, mesh)
+    dataset = data.build(cfg)
+    batch_sh = step.batch_shardings(mesh, cfg.sharding.rules)
+    batches = [dataset.batch(s, batch_sh) for s in range(args.steps)]
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    print(f"{sum(x.size for x in jax.tree.leaves(state.params)):,} parameters, {nbytes / 2**20:.1f} MiB of "
+          f"state per checkpoint, on {len(jax.devices())} {jax.devices()[0].platform} device(s)")
+
+    step_times = []
+
+    def run(state, manager, first):
+        t0 = time.perf_counter()
+        for i, batch in enumerate(batches):
+            t = time.perf_counter()
+            state, metrics = train_step(state, batch)
+            jax.block_until_ready(metrics)
+            step_times.append(time.perf_counter() - t)
+            s = first + i + 1
+            if manager is not None and s % args.every == 0:
+                manager.save(s, state, {"step": s}, {})
+        if manager is not None:
+            manager.wait()
+        return state, time.perf_counter() - t0
+
+    with tempfile.TemporaryDirectory() as tmp:
+        manager = checkpoint.Manager(tmp, CheckpointConfig(every=args.every, keep=2))
+        state, _ = run(state, manager, 0)  # warm-up: compiles the step and the checksums
+        plain, saving, first = [], [], args.steps
+        step_times.clear()
+        for _ in range(args.rounds):
+            state, t = run(state, None, first)
+            plain.append(t)
+            first += args.steps
+            state, t = run(state, manager, first)
+            saving.append(t)
+            first += args.steps
+        manager.close()
+    saves = args.steps // args.every
+    step_time = statistics.median(step_times)
+    lost = (statistics.median(saving) - statistics.median(plain)) / saves
+    print(f"per round of {args.steps} steps: {statistics.median(plain):.3f}s without saves, "
+          f"{statistics.median(saving):.3f}s with {saves} async saves; median step {step_time * 1e3:.1f} ms")
+    print(f"time lost per async save: {lost * 1e3:.1f} ms = {lost / step_time:.1%} of a step (target <= 5%)")
+
+
+if __name__ == "__main__":
+    main()

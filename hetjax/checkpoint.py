@@ -1,0 +1,389 @@
+"""Checkpoints: orbax CheckpointManager with async saves, exact resume, resharding restore.
+
+A checkpoint of step s (= optimizer steps taken) is one orbax step directory
+`<dir>/<s>/` with these items:
+
+  params     the parameters (orbax PyTree, zarr over OCDBT, one shard per device)
+  opt_state  the optimizer state
+  data       the data iterator's state, a small JSON dict (the synthetic stream's is
+             {"step": s}; a grain iterator's get_state() fits the same slot)
+  config     the resolved config that ran
+  meta       step, the parameter fingerprint, and a checksum of every array
+
+Saves are asynchronous: `save` blocks only while arrays are copied to host memory,
+then orbax writes in a background thread and commits by an atomic rename, so a
+process killed mid-save leaves a temporary directory that is never read. Restoring
+targets ShapeDtypeStructs that carry the *current* mesh's shardings, so a
+checkpoint written on one layout loads onto another and each device reads only
+its own shard. After reading, every array is checksummed again and compared with
+the checksum computed before the save, which catches damaged files that still
+decode; a checkpoint that fails to read or verify is moved aside (never deleted)
+and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_policy
+
+from hetjax.config import CheckpointConfig, ConfigError
+from hetjax.state import TrainState
+
+ITEMS = ("params", "opt_state", "data", "config", "meta")
+CORRUPT_DIR = "corrupt"  # sibling of the checkpoint directory: damaged steps go here
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or none of the existing ones can be read."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    pass
+
+
+# ---------------------------------------------------------------------------
+# Fingerprints: exact, layout-independent hashes computed where the arrays live.
+
+
+def _mix32(x):
+    # murmur3's finaliser: every input bit flips about half the output bits.
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _leaf_hash(x: jax.Array) -> jax.Array:
+    """Two uint32 words over the bits and positions of x. Sums of uint32 wrap, so
+    the result is exact whatever the sharding or reduction order."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    width = x.dtype.itemsize
+    if width == 8:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)  # (..., 2)
+    else:
+        bits = jax.lax.bitcast_convert_type(x, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[width])
+        bits = bits.astype(jnp.uint32)
+    index = jnp.zeros(bits.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(bits.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= bits.shape[axis]
+    words = [jnp.sum(_mix32(bits ^ _mix32(index * jnp.uint32(2) + jnp.uint32(salt))), dtype=jnp.uint32)
+             for salt in (1, 0x9E3779B9)]
+    return jnp.stack(words)
+
+
+@jax.jit
+def _tree_hashes(tree):
+    return jax.tree.map(_leaf_hash, tree)
+
+
+def _path(keypath) -> str:
+    parts = []
+    for k in keypath:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        if name != "value":  # nnx.Variable's single child
+            parts.append(str(name))
+    return "/".join(parts)
+
+
+def leaf_hashes(tree) -> dict[str, str]:
+    """'path/to/leaf' -> 16 hex digits, for every array leaf of `tree`."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    hashes = jax.device_get(_tree_hashes([x for _, x in leaves]))
+    return {_path(p): f"{int(h[0]):08x}{int(h[1]):08x}" for (p, _), h in zip(leaves, hashes)}
+
+
+def fingerprint(params, hashes: dict[str, str] | None = None) -> str:
+    """One hex digest of the parameters' names, shapes, dtypes and exact bits. It does
+    not depend on the mesh, the sharding or the number of processes. `hashes`:
+    leaf_hashes(params), when already computed."""
+    hashes = leaf_hashes(params) if hashes is None else hashes
+    leaves = {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    h = hashlib.sha256()
+    for name in sorted(leaves):
+        x = leaves[name]
+        h.update(f"{name}|{tuple(x.shape)}|{jnp.dtype(x.dtype).name}|{hashes[name]};".encode())
+    return h.hexdigest()[:32]
+
+
+# ---------------------------------------------------------------------------
+# The manager.
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: TrainState
+    data_state: dict
+    config: dict
+    meta: dict
+
+
+def _handlers() -> dict:
+    # Named up front so that a fresh process can read metadata before any restore.
+    return {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
+            **{k: ocp.JsonCheckpointHandler() for k in ("data", "config", "meta")}}
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+class Manager:
+    """Saves every `cfg.every` steps (and when told to), keeps the last `cfg.keep`
+    plus every `cfg.keep_every`-th, and restores the latest checkpoint that verifies."""
+
+    def __init__(self, directory: str | Path, cfg: CheckpointConfig = CheckpointConfig(),
+                 read_only: bool = False):
+        self.directory = Path(directory).absolute()
+        self.cfg = cfg
+        policies = [keep_policy.LatestN(n=cfg.keep)]
+        if cfg.keep_every:
+            policies.append(keep_policy.EveryNSteps(cfg.keep_every))
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=max(cfg.every, 1),
+            preservation_policy=None if read_only else keep_policy.AnyPreservationPolicy(policies),
+            enable_async_checkpointing=cfg.async_save,
+            read_only=read_only,
+            create=not read_only,
+        )
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(
+                f"cannot use checkpoint directory {self.directory}: {e}; set config.checkpoint.dir "
+                f"(or config.run_dir) to a writable directory") from e
+        self._pending: int | None = None
+
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def should_save(self, step: int) -> bool:
+        return self.cfg.every > 0 and step % self.cfg.every == 0 and step not in self.steps()
+
+    def save(self, step: int, state: TrainState, data_state: dict, config: dict) -> None:
+        """Starts an asynchronous save of `state` as checkpoint `step`. Raises
+        CheckpointError if this save or the previous asynchronous one failed."""
+        self._raise_pending_errors()
+        checksums = leaf_hashes({"params": state.params, "opt_state": state.opt_state})
+        params_hashes = {k.removeprefix("params/"): v for k, v in checksums.items() if k.startswith("params/")}
+        meta = {"step": step, "params_fingerprint": fingerprint(state.params, params_hashes),
+                "checksums": checksums, "time": time.time()}
+        args = ocp.args.Composite(
+            params=ocp.args.StandardSave(state.params),
+            opt_state=ocp.args.StandardSave(state.opt_state),
+            data=ocp.args.JsonSave(dict(data_state)),
+            config=ocp.args.JsonSave(config),
+            meta=ocp.args.JsonSave(meta),
+        )
+        try:
+            self._manager.save(step, args=args, force=True)
+        except Exception as e:
+            raise self._save_error(step, e) from e
+        self._pending = step
+        if not self.cfg.async_save:
+            self.wait()
+
+    def wait(self) -> None:
+        """Blocks until the last save is committed; raises CheckpointError if it failed."""
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as e:
+            step, self._pending = self._pending, None
+            raise self._save_error(step, e) from e
+        if self._pending is not None and self._pending not in self._on_disk():
+            step, self._pending = self._pending, None
+            raise self._save_error(step, RuntimeError("the step directory was not committed"))
+        self._pending = None
+
+    def _on_disk(self) -> list[int]:
+        self._manager.reload()
+        return list(self._manager.all_steps())
+
+    def _raise_pending_errors(self):
+        if self._pending is not None:
+            try:
+                self._manager.check_for_errors()
+            except Exception as e:
+                step, self._pending = self._pending, None
+                raise self._save_error(step, e) from e
+
+    def _save_error(self, step, error) -> CheckpointError:
+        good = [s for s in self._on_disk() if s != step]
+        kept = f"the previous checkpoint (step {max(good)}) is untouched" if good else "no earlier checkpoint exists"
+        return CheckpointError(
+            f"saving checkpoint step {step} to {self.directory} failed: {type(error).__name__}: "
+            f"{error}; {kept}. Free disk space or fix the permissions of config.checkpoint.dir")
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+    # -- restoring ---------------------------------------------------------
+
+    def restore_latest(self, abstract_state: TrainState, shardings: TrainState,
+                       log=print) -> Restored | None:
+        """The newest checkpoint that reads and verifies, laid out by `shardings`;
+        None if there is none. Damaged ones are reported and moved to `corrupt/`."""
+        for step in reversed(self.steps()):
+            try:
+                return self.restore(step, abstract_state, shardings)
+            except CorruptCheckpoint as e:
+                log(f"warning: {e}")
+                self._move_aside(step, log)
+        return None
+
+    def restore(self, step: int, abstract_state: TrainState, shardings: TrainState) -> Restored:
+        where = f"checkpoint step {step} in {self.directory}"
+        try:
+            small = self._manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore(), data=ocp.args.JsonRestore(), config=ocp.args.JsonRestore()))
+            meta, data_state, config = small.meta, small.data, small.config
+        except Exception as e:
+            raise CorruptCheckpoint(f"{where} is unreadable ({type(e).__name__}: {e})") from e
+        check_shapes(self._item_metadata(step, "params", where), abstract_state.params, where, config)
+        try:
+            arrays = self._manager.restore(step, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(_abstract(abstract_state.params, shardings.params)),
+                opt_state=ocp.args.StandardRestore(_abstract(abstract_state.opt_state, shardings.opt_state)),
+            ))
+        except Exception as e:
+            raise CorruptCheckpoint(f"{where} is unreadable ({type(e).__name__}: {e})") from e
+        verify(meta.get("checksums", {}), {"params": arrays.params, "opt_state": arrays.opt_state}, where)
+        state = TrainState(step=jax.device_put(jnp.asarray(meta["step"], jnp.int32), shardings.step),
+                           params=arrays.params, opt_state=arrays.opt_state)
+        return Restored(int(meta["step"]), state, data_state, config, meta)
+
+    def _item_metadata(self, step, item, where):
+        try:
+            return self._manager.item_metadata(step)[item]
+        except Exception as e:
+            raise CorruptCheckpoint(f"{where}: cannot read the metadata of {item!r} ({e})") from e
+
+    def _move_aside(self, step: int, log) -> None:
+        if jax.process_index() != 0:
+            return
+        src = self.directory / str(step)
+        dst = self.directory.parent / CORRUPT_DIR / f"{self.directory.name}-{step}-{int(time.time())}"
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        src.rename(dst)
+        log(f"warning: moved the damaged checkpoint to {dst} (nothing was deleted)")
+        self._manager.reload()
+
+
+def check_shapes(saved_tree, abstract, where: str, saved_config: dict | None = None) -> None:
+    """Raises ConfigError naming the first parameter whose saved shape differs."""
+    saved_tree = getattr(saved_tree, "tree", saved_tree)  # orbax's TreeMetadata
+    saved = {_path(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(
+        saved_tree, is_leaf=lambda x: hasattr(x, "shape"))[0] if hasattr(m, "shape")}
+    wanted = {_path(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    hint = ""
+    if saved_config and "model" in saved_config:
+        hint = f" The checkpoint was written with model config {saved_config['model']}."
+    for name in sorted(set(saved) | set(wanted)):
+        if name not in saved:
+            raise ConfigError(f"{where} has no parameter {name!r}, which config.model asks for "
+                              f"(e.g. config.model.tie_embeddings or qkv_bias differ).{hint}")
+        if name not in wanted:
+            raise ConfigError(f"{where} has a parameter {name!r} that config.model does not have "
+                              f"(e.g. config.model.tie_embeddings or qkv_bias differ).{hint}")
+        if saved[name] != wanted[name]:
+            raise ConfigError(f"{where}: parameter {name!r} has shape {saved[name]} there but "
+                              f"{wanted[name]} in this config; set config.model to match the "
+                              f"checkpoint.{hint}")
+
+
+def verify(expected: dict[str, str], tree, where: str) -> None:
+    """Recomputes the checksums of `tree` and compares them with those saved."""
+    if not expected:
+        return
+    actual = leaf_hashes(tree)
+    bad = sorted(k for k in expected if actual.get(k) != expected[k])
+    if bad or set(actual) != set(expected):
+        raise CorruptCheckpoint(
+            f"{where} is damaged: {len(bad)} array(s) differ from the checksums written at save "
+            f"time (first: {bad[:3]})")
+
+
+# ---------------------------------------------------------------------------
+# Starting from saved weights (config.init_from) and finding checkpoints.
+
+
+def find_checkpoint_dir(path: str | Path) -> tuple[Path, int | None]:
+    """(manager directory, step or None for the latest) for a run directory, a
+    checkpoint directory, or one step directory inside it."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config.init_from={str(path)!r}: no such file or directory")
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints", None
+    if (path / "params").is_dir() and path.name.isdigit():
+        return path.parent, int(path.name)
+    if any(p.name.isdigit() for p in path.iterdir()):
+        return path, None
+    raise ConfigError(
+        f"config.init_from={str(path)!r} holds no checkpoint: give a run directory, its "
+        f"checkpoints/ directory, one step directory in it, or the output of `python -m hetjax.convert import`")
+
+
+def load_params(path: str | Path, abstract_params, param_shardings, log=print):
+    """Parameters only, from a checkpoint, laid out by `param_shardings`; verified."""
+    directory, step = find_checkpoint_dir(path)
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
+                                    item_handlers=_handlers())
+    steps = sorted(manager.all_steps()) if step is None else [step]
+    errors = []
+    for s in reversed(steps):
+        where = f"checkpoint step {s} in {directory}"
+        try:
+            meta = manager.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            check_shapes(manager.item_metadata(s)["params"], abstract_params, where)
+            params = manager.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(
+                _abstract(abstract_params, param_shardings)))).params
+            verify({k.removeprefix("params/"): v for k, v in meta.get("checksums", {}).items()
+                    if k.startswith("params/")}, params, where)
+        except ConfigError:
+            raise
+        except Exception as e:
+            log(f"warning: {where} is unreadable or damaged ({type(e).__name__}: {e}); trying an older one")
+            errors.append(str(e))
+            continue
+        log(f"initialised the parameters from {where} (fingerprint {meta.get('params_fingerprint')})")
+        return params
+    raise CheckpointError(f"config.init_from={str(path)!r}: no readable checkpoint ({errors or 'none found'})")
+
+
+def fresh_state(params, tx, shardings: TrainState) -> TrainState:
+    """Step 0 and a new optimizer state around given parameters (config.init_from)."""
+    def init(params):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    return jax.jit(init, out_shardings=shardings)(params)
+
+
+def data_state_json(state: dict) -> dict[str, Any]:
+    """Checks that a data iterator's state is JSON (the checkpoint stores it as such)."""
+    try:
+        return json.loads(json.dumps(state))
+    except TypeError as e:
+        raise CheckpointError(f"the data iterator's state must be JSON-serialisable: {e}") from e
+
+
+def default_dir(cfg) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
+

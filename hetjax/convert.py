@@ -1,0 +1,305 @@
+"""Hugging Face Llama / Qwen2 checkpoints <-> hetjax orbax checkpoints.
+
+    python -m hetjax.convert import HF_DIR OUT_DIR           # config.json + *.safetensors
+    python -m hetjax.convert export CHECKPOINT HF_DIR [--dtype bfloat16] [--max_shard_gb 5]
+
+Both directions stream: the importer reads the HF tensors of one hetjax parameter
+(all layers of one weight), writes it with an orbax partial save and drops it;
+the exporter restores one hetjax parameter at a time and writes its HF tensors one
+by one into shards whose headers were planned from shapes alone. `import` writes
+step 0 of a checkpoint directory that `--config.init_from=OUT_DIR` starts from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint.experimental.v1 import partial as ocp_partial
+
+from hetjax import checkpoint, safetensors_io
+from hetjax.config import ConfigError, ModelConfig
+
+
+class ConvertError(ValueError):
+    """An HF checkpoint hetjax cannot represent, or a damaged one."""
+
+
+# ---------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """The hetjax ModelConfig of an HF Llama/Qwen2 config; refuses what it cannot represent."""
+    kind = hf.get("model_type")
+    if kind not in ("llama", "qwen2"):
+        raise ConvertError(f"config.json: model_type={kind!r}; hetjax converts 'llama' and 'qwen2'")
+
+    def refuse(field, value, why):
+        raise ConvertError(f"config.json: {field}={value!r} is not supported: {why}")
+
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", hf["hidden_act"], "hetjax's MLP is SwiGLU (silu)")
+    if hf.get("mlp_bias"):
+        refuse("mlp_bias", True, "hetjax's MLP has no biases")
+    if kind == "llama" and hf.get("attention_bias"):
+        refuse("attention_bias", True, "Llama's attention_bias adds an o_proj bias, which hetjax lacks")
+    if hf.get("use_sliding_window"):
+        refuse("use_sliding_window", True, "hetjax attends over the full context")
+    if any(t != "full_attention" for t in hf.get("layer_types") or []) and hf.get("use_sliding_window", True):
+        refuse("layer_types", hf["layer_types"], "hetjax has full attention in every layer")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        refuse("partial_rotary_factor", hf["partial_rotary_factor"], "hetjax rotates the whole head")
+    rope = dict(hf.get("rope_parameters") or {})
+    if not rope:
+        rope = dict(hf.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = {}
+    if rope_type == "llama3":
+        scaling = dict(rope_scaling_factor=float(rope["factor"]),
+                       rope_low_freq_factor=float(rope["low_freq_factor"]),
+                       rope_high_freq_factor=float(rope["high_freq_factor"]),
+                       rope_original_max_length=int(rope["original_max_position_embeddings"]))
+    elif rope_type != "default":
+        refuse("rope_scaling.rope_type", rope_type, "hetjax implements 'default' and 'llama3' RoPE")
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], embed_dim=hf["hidden_size"],
+        mlp_dim=hf["intermediate_size"], num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        qkv_bias=kind == "qwen2", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(rope["rope_theta"]), **scaling)
+
+
+def hf_config_from_model(m: ModelConfig, dtype: str, base: dict | None = None) -> dict:
+    """An HF config.json for `m`, keeping the other fields (token ids...) of `base`."""
+    kind = "qwen2" if m.qkv_bias else "llama"
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling_factor != 1.0:
+        rope.update(rope_type="llama3", factor=m.rope_scaling_factor, low_freq_factor=m.rope_low_freq_factor,
+                    high_freq_factor=m.rope_high_freq_factor,
+                    original_max_position_embeddings=m.rope_original_max_length)
+    out = dict(base or {})
+    out.update(
+        architectures=["Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"], model_type=kind,
+        vocab_size=m.vocab_size, num_hidden_layers=m.num_layers, hidden_size=m.embed_dim,
+        intermediate_size=m.mlp_dim, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+        head_dim=m.head_dim, hidden_act="silu", rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
+        rope_parameters=rope, dtype=dtype)
+    out.pop("rope_scaling", None)
+    out.pop("rope_theta", None)
+    out.setdefault("max_position_embeddings", m.rope_original_max_length)
+    if kind == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Parameter names and layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    path: str  # hetjax parameter, e.g. "blocks/attn/q_DNH"
+    hf: str  # HF tensor name; "{i}" = layer index
+    shape: tuple  # hetjax shape of one layer's slice
+    hf_shape: tuple
+    transpose: bool  # HF stores (out, in): hetjax = hf.T reshaped
+
+    def to_hetjax(self, x):
+        return (x.T if self.transpose else x).reshape(self.shape)
+
+    def to_hf(self, x):
+        if self.transpose:
+            return x.reshape(self.hf_shape[::-1]).T
+        return x.reshape(self.hf_shape)
+
+
+def entries(m: ModelConfig) -> list[Entry]:
+    D, F, N, K, H, V = m.embed_dim, m.mlp_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size
+    layer = "model.layers.{i}."
+    out = [Entry("embed_VD", "model.embed_tokens.weight", (V, D), (V, D), False),
+           Entry("blocks/attn_norm/scale_D", layer + "input_layernorm.weight", (D,), (D,), False),
+           Entry("blocks/mlp_norm/scale_D", layer + "post_attention_layernorm.weight", (D,), (D,), False),
+           Entry("blocks/attn/q_DNH", layer + "self_attn.q_proj.weight", (D, N, H), (N * H, D), True),
+           Entry("blocks/attn/k_DKH", layer + "self_attn.k_proj.weight", (D, K, H), (K * H, D), True),
+           Entry("blocks/attn/v_DKH", layer + "self_attn.v_proj.weight", (D, K, H), (K * H, D), True),
+           Entry("blocks/attn/o_NHD", layer + "self_attn.o_proj.weight", (N, H, D), (D, N * H), True),
+           Entry("blocks/mlp/gate_DF", layer + "mlp.gate_proj.weight", (D, F), (F, D), True),
+           Entry("blocks/mlp/up_DF", layer + "mlp.up_proj.weight", (D, F), (F, D), True),
+           Entry("blocks/mlp/down_FD", layer + "mlp.down_proj.weight", (F, D), (D, F), True),
+           Entry("final_norm/scale_D", "model.norm.weight", (D,), (D,), False)]
+    if m.qkv_bias:
+        out += [Entry("blocks/attn/q_bias_NH", layer + "self_attn.q_proj.bias", (N, H), (N * H,), False),
+                Entry("blocks/attn/k_bias_KH", layer + "self_attn.k_proj.bias", (K, H), (K * H,), False),
+                Entry("blocks/attn/v_bias_KH", layer + "self_attn.v_proj.bias", (K, H), (K * H,), False)]
+    if not m.tie_embeddings:
+        out.append(Entry("unembed_DV", "lm_head.weight", (D, V), (V, D), True))
+    return out
+
+
+def _nested(path: str, leaf) -> dict:
+    # hetjax parameters are nnx.Variables: orbax stores each as {"value": array}.
+    tree = {"value": leaf}
+    for part in reversed(path.split("/")):
+        tree = {part: tree}
+    return tree
+
+
+def _layers(e: Entry, m: ModelConfig) -> list:
+    return list(range(m.num_layers)) if e.path.startswith("blocks/") else [None]
+
+
+# ---------------------------------------------------------------------------
+# import / export
+
+
+def import_hf(hf_dir: Path, out_dir: Path, param_dtype: str = "float32", log=print) -> ModelConfig:
+    """Writes step 0 of an orbax checkpoint directory holding the HF model's weights."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if not (hf_dir / "config.json").exists():
+        raise ConvertError(f"{hf_dir}: no config.json; give a Hugging Face model directory")
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    m = dataclasses.replace(model_config_from_hf(hf_config), param_dtype=param_dtype)
+    files = safetensors_io.open_dir(hf_dir)
+    plan = entries(m)
+    wanted = {e.hf.format(i=i) for e in plan for i in _layers(e, m)}
+    missing = sorted(wanted - set(files))
+    if missing:
+        raise ConvertError(f"{hf_dir}: tensors {missing[:4]} are missing (config.json says "
+                           f"tie_word_embeddings={m.tie_embeddings}, {m.num_layers} layers)")
+    extra = sorted(n for n in set(files) - wanted if not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ConvertError(f"{hf_dir}: tensors {extra[:4]} have no place in a hetjax {hf_config['model_type']} model")
+    if (out_dir / "0").exists():
+        raise ConvertError(f"{out_dir}/0 already exists; choose an empty output directory")
+    staging = out_dir / "0.import"
+    shutil.rmtree(staging, ignore_errors=True)  # ours: a previous import that died midway
+    hashes, shapes = {}, {}
+    for e in plan:
+        layers = _layers(e, m)
+        x = np.empty(((len(layers),) if layers != [None] else ()) + e.shape, np.dtype(param_dtype))
+        for i in layers:
+            t = files[e.hf.format(i=i)].get(e.hf.format(i=i))
+            if t.shape != e.hf_shape:
+                raise ConvertError(f"{e.hf.format(i=i)} has shape {t.shape}, config.json implies {e.hf_shape}")
+            x[() if i is None else i] = e.to_hetjax(t).astype(x.dtype)
+        ocp_partial.save(staging, _nested(e.path, x))
+        hashes.update(checkpoint.leaf_hashes({e.path: x}))
+        shapes[e.path] = x.shape
+        log(f"  {e.path:26} {str(x.shape):22} <- {e.hf}")
+        del x
+    ocp_partial.finalize(staging)
+    manager = ocp.CheckpointManager(out_dir, item_handlers={"meta": ocp.JsonCheckpointHandler(),
+                                                             "config": ocp.JsonCheckpointHandler()})
+    meta = {"step": 0, "checksums": {f"params/{k}": v for k, v in hashes.items()}, "hf_config": hf_config,
+            "params_fingerprint": _fingerprint(hashes, shapes, param_dtype), "source": str(hf_dir)}
+    manager.save(0, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta),
+                                            config=ocp.args.JsonSave({"model": dataclasses.asdict(m)})))
+    manager.close()
+    (staging / "state").rename(out_dir / "0" / "params")
+    shutil.rmtree(staging)
+    return m
+
+
+def _fingerprint(hashes, shapes, dtype) -> str:
+    import jax
+    tree = {}
+    for path, shape in shapes.items():
+        _merge(tree, _nested(path, jax.ShapeDtypeStruct(shape, np.dtype(dtype))))
+    return checkpoint.fingerprint(tree, hashes)
+
+
+def _merge(a: dict, b: dict) -> dict:
+    for k, v in b.items():
+        a[k] = _merge(a.get(k, {}), v) if isinstance(v, dict) and "value" not in v else v
+    return a
+
+
+def export_hf(ckpt: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
+              log=print) -> list[Path]:
+    """Writes config.json and safetensors shards from the parameters of an orbax checkpoint."""
+    directory, step = checkpoint.find_checkpoint_dir(ckpt)
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
+                                    item_handlers={"meta": ocp.JsonCheckpointHandler(),
+                                                   "config": ocp.JsonCheckpointHandler()})
+    step = max(manager.all_steps()) if step is None else step
+    small = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(),
+                                                          config=ocp.args.JsonRestore()))
+    m = ModelConfig(**small.config["model"])
+    plan = entries(m)
+    specs = [(e.hf.format(i=i), e.hf_shape, np.dtype(_np_dtype(dtype))) for e in plan for i in _layers(e, m)]
+    params_dir = directory / str(step) / "params"
+    reader = ocp.PyTreeCheckpointer()
+    checksums = small.meta.get("checksums", {})
+
+    def tensors():
+        for e in plan:
+            x = reader.restore(params_dir, args=ocp.args.PyTreeRestore(
+                item=_nested(e.path, 0), restore_args=_nested(e.path, ocp.RestoreArgs(restore_type=np.ndarray)),
+                partial_restore=True))
+            x = np.asarray(_leaf(x, e.path))
+            want = checksums.get(f"params/{e.path}")
+            if want is not None and checkpoint.leaf_hashes({e.path: x})[e.path] != want:
+                raise ConvertError(f"{params_dir}: parameter {e.path} does not match its checksum; the checkpoint is damaged")
+            log(f"  {e.path:26} {str(x.shape):22} -> {e.hf}")
+            for i in _layers(e, m):
+                yield e.to_hf(x if i is None else x[i]).astype(_np_dtype(dtype))
+
+    out_dir = Path(out_dir)
+    paths = safetensors_io.write_dir(out_dir, specs, tensors(), max_shard_bytes)
+    hf = hf_config_from_model(m, dtype, small.meta.get("hf_config"))
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return paths
+
+
+def _leaf(tree, path):
+    for part in path.split("/"):
+        tree = tree[part]
+    return tree["value"]
+
+
+def _np_dtype(name: str):
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype={name!r}: choose float32, bfloat16 or float16")
+    return np.dtype(safetensors_io.DTYPES[{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[name]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hetjax.convert", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="HF directory -> orbax checkpoint directory (step 0)")
+    imp.add_argument("hf_dir", type=Path)
+    imp.add_argument("out_dir", type=Path)
+    imp.add_argument("--param_dtype", default="float32", choices=("float32", "bfloat16"))
+    exp = sub.add_parser("export", help="orbax checkpoint (run dir, checkpoint dir or step dir) -> HF directory")
+    exp.add_argument("checkpoint", type=Path)
+    exp.add_argument("out_dir", type=Path)
+    exp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    exp.add_argument("--max_shard_gb", type=float, default=5.0)
+    args = p.parse_args(argv)
+    try:
+        if args.command == "import":
+            m = import_hf(args.hf_dir, args.out_dir, args.param_dtype)
+            flags = " ".join(f"--config.model.{k}={v}" for k, v in dataclasses.asdict(m).items()
+                             if v != getattr(ModelConfig(), k))
+            print(f"wrote {args.out_dir}/0; train from it with --config.init_from={args.out_dir} {flags}")
+        else:
+            paths = export_hf(args.checkpoint, args.out_dir, args.dtype, int(args.max_shard_gb * 2**30))
+            print(f"wrote {args.out_dir}/config.json and {len(paths)} safetensors file(s)")
+    except (ConvertError, ConfigError, checkpoint.CheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

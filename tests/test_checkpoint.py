@@ -1,0 +1,253 @@
+"""Checkpoints: exact resume after SIGKILL/SIGTERM, resharding restore, damage, full disk."""
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from hetjax import checkpoint, data, step, train
+from hetjax import state as state_lib
+from hetjax.config import CheckpointConfig, ConfigError, MeshConfig
+from hetjax.mesh import make_mesh
+from hetjax.optim import make_optimizer
+from tests.test_sharding import CFG, build
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+       "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+STEPS = 12
+TRAIN_ARGS = ["--config", "tiny.py", f"--config.steps={STEPS}", "--config.checkpoint.every=3",
+              "--config.eval_every=0", "--config.tensorboard=false", "--config.log_every=1",
+              "--config.mesh.data=2", "--config.mesh.fsdp=4", "--config.model.embed_dim=32",
+              "--config.model.mlp_dim=64", "--config.peak_tflops=1"]
+
+
+def rows(run_dir):
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def start(run_dir):
+    return subprocess.Popen([sys.executable, "-m", "hetjax.train", *TRAIN_ARGS, f"--config.run_dir={run_dir}"],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(proc, run_dir, k, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and any(f'"step": {k},' in l for l in path.read_text().splitlines()):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"training exited early: {proc.stdout.read()}")
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"step {k} did not appear in {timeout}s")
+
+
+def test_sigkill_and_sigterm_then_resume_give_the_same_losses_bit_for_bit(tmp_path):
+    reference = tmp_path / "reference"
+    assert train.main([*TRAIN_ARGS, f"--config.run_dir={reference}"]) == 0
+    expected = [r["loss"] for r in rows(reference)]
+    assert len(expected) == STEPS
+
+    run = tmp_path / "run"
+    kill_at = random.Random().randrange(2, 7)  # any step; the kill may land inside an async save
+    proc = start(run)
+    wait_for_step(proc, run, kill_at)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    committed = checkpoint.Manager(run / "checkpoints", read_only=True).steps()
+
+    proc = start(run)  # same run_dir, no flag: resumes
+    wait_for_step(proc, run, 8)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == train.PREEMPTED, out
+    assert not committed or f"resumed from step {max(committed)}" in out, (committed, out)
+    assert "preempted (SIGTERM): saved step" in out, out
+    preempted_at = int(out.split("preempted (SIGTERM): saved step ")[1].split()[0])
+    assert preempted_at % 3 or preempted_at == 9, "SIGTERM saves wherever it lands"
+    assert preempted_at in checkpoint.Manager(run / "checkpoints", read_only=True).steps()
+
+    assert train.main([*TRAIN_ARGS, f"--config.run_dir={run}"]) == 0
+    got = rows(run)
+    assert [r["step"] for r in got] == list(range(STEPS)), f"killed at step {kill_at}"
+    assert [r["loss"] for r in got] == expected, f"killed at step {kill_at}"
+    # Rows recomputed after the kill were kept aside, not lost.
+    assert (run / "metrics.superseded.jsonl").exists() or kill_at % 3 == 2
+
+
+def save_state(directory, mesh_cfg, n, steps=(2,), cfg=CFG, **ckpt):
+    mesh, rules, tx, graphdef, shardings, state = build(cfg, mesh_cfg, n)
+    manager = checkpoint.Manager(directory, CheckpointConfig(async_save=False, **ckpt))
+    for s in steps:
+        manager.save(s, state, {"step": s}, {"model": dataclasses.asdict(cfg.model)})
+    manager.close()
+    return state
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoints of steps 2 and 4 written on fsdp=8, and the state they hold."""
+    directory = tmp_path_factory.mktemp("saved") / "ck"
+    state = save_state(directory, MeshConfig(fsdp=8), 8, steps=(2, 4))
+    return directory, state
+
+
+def abstract_for(mesh_cfg, n, cfg=CFG):
+    mesh = make_mesh(mesh_cfg, jax.devices()[:n])
+    _, abstract = state_lib.abstract_state(cfg.model, cfg.seed, make_optimizer(cfg.optim, cfg.steps))
+    return abstract, state_lib.state_shardings(abstract, mesh, cfg.sharding.rules)
+
+
+def test_restore_onto_other_meshes_reshards_without_gathering(saved):
+    directory, saved = saved
+    want = jax.device_get(saved)
+    prints = []
+    for mesh_cfg, n in [(MeshConfig(fsdp=2, tensor=4), 8), (MeshConfig(fsdp=1), 1)]:
+        abstract, shardings = abstract_for(mesh_cfg, n)
+        restored = checkpoint.Manager(directory, read_only=True).restore_latest(abstract, shardings)
+        assert restored.step == 4 and restored.data_state == {"step": 4}
+        got = restored.state
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(got.params), want.params)
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(got.opt_state), want.opt_state)
+        for x, s in zip(jax.tree.leaves(got.params), jax.tree.leaves(shardings.params)):
+            assert x.sharding == s  # each device holds only its shard
+            assert x.addressable_shards[0].data.shape == s.shard_shape(x.shape)
+        prints.append(checkpoint.fingerprint(got.params))
+    assert prints == [checkpoint.fingerprint(saved.params)] * 2 == [restored.meta["params_fingerprint"]] * 2
+
+
+def test_fingerprint_sees_one_flipped_bit_and_ignores_layout():
+    tree = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, np.int32)}
+    base = checkpoint.fingerprint(tree)
+    flipped = tree["a"].copy()
+    flipped.view(np.uint32)[1, 2] ^= 1
+    assert checkpoint.fingerprint({**tree, "a": flipped}) != base
+    swapped = tree["a"].copy()
+    swapped[0, 0], swapped[0, 1] = swapped[0, 1], swapped[0, 0]
+    assert checkpoint.fingerprint({**tree, "a": swapped}) != base
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = jax.device_put(np.tile(tree["a"], (8, 1)), jax.NamedSharding(mesh, jax.P("x")))
+    assert checkpoint.leaf_hashes([sharded]) == checkpoint.leaf_hashes([np.tile(tree["a"], (8, 1))])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "overwrite"])
+def test_a_damaged_latest_checkpoint_is_reported_and_skipped(tmp_path, damage, saved):
+    shutil.copytree(saved[0], tmp_path / "ck")
+    saved = saved[1]
+    files = sorted((p for p in (tmp_path / "ck" / "4" / "params").rglob("*") if p.is_file() and p.stat().st_size > 64),
+                   key=lambda p: -p.stat().st_size)
+    victim = files[0]
+    if damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    else:
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2: len(raw) // 2 + 16] = bytes(16)
+        victim.write_bytes(bytes(raw))
+    count = sum(1 for p in (tmp_path / "ck").rglob("*") if p.is_file())
+    abstract, shardings = abstract_for(MeshConfig(fsdp=8), 8)
+    log = []
+    restored = checkpoint.Manager(tmp_path / "ck").restore_latest(abstract, shardings, log=log.append)
+    assert restored.step == 2, log
+    assert any("step 4" in l and ("damaged" in l or "unreadable" in l) for l in log), log
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.state.params), jax.device_get(saved.params))
+    # Nothing deleted: the damaged step moved to corrupt/, every file still there.
+    assert sum(1 for p in tmp_path.rglob("*") if p.is_file()) == count
+    assert [p.name.split("-")[1] for p in (tmp_path / "corrupt").iterdir()] == ["4"]
+
+
+def test_a_shape_mismatch_names_the_parameter(saved):
+    other = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, mlp_dim=128))
+    abstract, shardings = abstract_for(MeshConfig(fsdp=8), 8, other)
+    with pytest.raises(ConfigError, match=r"'blocks/mlp/down_FD' has shape \(2, 64, 32\) there but \(2, 128, 32\)"):
+        checkpoint.Manager(saved[0], read_only=True).restore_latest(abstract, shardings)
+    assert (saved[0] / "4").is_dir()  # a config mistake never moves a checkpoint
+
+
+FULL_DISK = textwrap.dedent("""
+    import json, os, resource, signal, sys
+    from pathlib import Path
+    sys.path.insert(0, os.getcwd())
+    import jax
+    from hetjax import checkpoint
+    from hetjax.config import CheckpointConfig, MeshConfig
+    from tests.test_sharding import CFG, build
+    from tests.test_checkpoint import abstract_for
+    directory, how = Path(sys.argv[1]), sys.argv[2]
+    _, _, _, _, shardings, state = build(CFG, MeshConfig(fsdp=1), 1)
+    manager = checkpoint.Manager(directory, CheckpointConfig(every=2))
+    manager.save(2, state, {"step": 2}, {})
+    manager.wait()
+    if how == "full":  # the kernel refuses writes past 2 KiB, as a full disk would
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.RLIM_INFINITY))
+    else:
+        os.chmod(directory, 0o500)
+    try:
+        manager.save(4, state, {"step": 4}, {})
+        manager.wait()
+        error = None
+    except checkpoint.CheckpointError as e:
+        error = str(e)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    os.chmod(directory, 0o700)
+    abstract, shardings = abstract_for(MeshConfig(fsdp=1), 1)
+    restored = checkpoint.Manager(directory).restore_latest(abstract, shardings, log=print)
+    print(json.dumps({"error": error, "restored": restored.step,
+                      "same": checkpoint.fingerprint(restored.state.params) == checkpoint.fingerprint(state.params)}))
+""")
+
+
+@pytest.mark.parametrize("how", ["full", "unwritable"])
+def test_a_failed_save_is_loud_and_keeps_the_previous_checkpoint(tmp_path, how):
+    if how == "unwritable" and os.geteuid() == 0:
+        pytest.skip("running as root: permissions do not stop writes (the full-disk case covers the failure)")
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path / "ck"), how], cwd=ROOT,
+                          env={**ENV, "XLA_FLAGS": ""}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["error"] and "saving checkpoint step 4" in result["error"], result
+    assert "step 2) is untouched" in result["error"]
+    assert result["restored"] == 2 and result["same"], result
+
+
+def test_an_unusable_checkpoint_dir_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(checkpoint.CheckpointError, match="config.checkpoint.dir"):
+        checkpoint.Manager(tmp_path / "file" / "ck")
+
+
+def test_init_from_starts_a_new_run_from_saved_weights(tmp_path, saved):
+    m = CFG.model
+    args = ["--config", "tiny.py", "--config.steps=1", "--config.eval_every=0", "--config.tensorboard=false",
+            "--config.mesh.fsdp=8", "--config.peak_tflops=1", f"--config.batch_size={CFG.batch_size}",
+            f"--config.seq_len={CFG.seq_len}", "--config.model.rope_theta=500000", "--config.data.branching=4",
+            *[f"--config.model.{k}={getattr(m, k)}" for k in (
+                "vocab_size", "num_layers", "embed_dim", "mlp_dim", "num_heads", "num_kv_heads", "head_dim",
+                "qkv_bias")]]
+    assert train.main([*args, f"--config.run_dir={tmp_path / 'b'}", f"--config.init_from={saved[0]}"]) == 0
+    # The new run's first loss is the saved weights' loss on batch 0 (plain jit, no mesh).
+    cfg = train.config_lib.load("tiny.py", {a[9:].split("=")[0]: a.split("=")[1] for a in args[2:]})
+    graphdef = state_lib.abstract_state(cfg.model, cfg.seed, make_optimizer(cfg.optim, 1))[0]
+    batch = data.build(cfg).train.rows(np.arange(cfg.batch_size))  # step 0's rows
+    loss_sum, count = jax.jit(step.loss_sums, static_argnums=1)(jax.device_get(saved[1].params), graphdef, batch)
+    np.testing.assert_allclose(rows(tmp_path / "b")[0]["loss"], float(loss_sum / count), rtol=1e-5)
+    abstract, shardings = abstract_for(MeshConfig(fsdp=8), 8, cfg)
+    restored = checkpoint.Manager(tmp_path / "b" / "checkpoints", read_only=True).restore(1, abstract, shardings)
+    counts = [int(x) for p, x in jax.tree_util.tree_flatten_with_path(restored.state.opt_state)[0]
+              if "count" in jax.tree_util.keystr(p)]
+    assert counts and set(counts) == {1}  # a fresh optimizer: one update
+    with pytest.raises(ConfigError, match="config.init_from"):
+        train.main([*args, f"--config.run_dir={tmp_path / 'c'}", f"--config.init_from={tmp_path / 'nope'}"])

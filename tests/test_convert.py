@@ -1,0 +1,108 @@
+"""Hugging Face interchange: logits match transformers; import/export/re-import is bit-exact."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from hetjax import checkpoint, convert, safetensors_io
+from hetjax import state as state_lib
+from flax import nnx
+
+from hetjax.config import DEFAULT_RULES, MeshConfig, OptimConfig
+from hetjax.mesh import make_mesh
+from hetjax.optim import make_optimizer
+from hetjax.sharding import state_shardings
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[test]' brings it)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+MODELS = {
+    # Llama 3.1 RoPE scaling (tiny original length so that scaling matters), untied head,
+    # sharded safetensors with an index.
+    "llama": lambda: transformers.LlamaConfig(**SHAPE, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    # Qwen2: q/k/v biases, tied embeddings, one safetensors file.
+    "qwen2": lambda: transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+}
+
+
+def hf_model(kind, directory):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(MODELS[kind]()).eval()
+    with torch.no_grad():  # random everything, biases and norms included
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.save_pretrained(directory, max_shard_size="20KB" if kind == "llama" else "5GB")
+    return model
+
+
+def load(directory, m):
+    mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    graphdef, abstract = state_lib.abstract_state(m, 0, make_optimizer(OptimConfig(), 1))
+    shardings = state_shardings(abstract, mesh, DEFAULT_RULES)
+    return graphdef, checkpoint.load_params(directory, abstract.params, shardings.params, log=lambda _: None)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_imported_logits_match_transformers_and_the_round_trip_is_exact(tmp_path, kind):
+    model = hf_model(kind, tmp_path / "hf")
+    assert (tmp_path / "hf" / safetensors_io.INDEX).exists() == (kind == "llama")
+    m = convert.import_hf(tmp_path / "hf", tmp_path / "ck", log=lambda _: None)
+    assert m.qkv_bias == (kind == "qwen2") and m.tie_embeddings == (kind == "qwen2")
+    assert m.rope_scaling_factor == (8.0 if kind == "llama" else 1.0)
+
+    graphdef, params = load(tmp_path / "ck", m)
+    tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (2, 24))
+    ours = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4, rtol=0)
+
+    # Export (sharded, via the command line), load with transformers, compare tensors bit for bit.
+    assert convert.main(["export", str(tmp_path / "ck"), str(tmp_path / "out"), "--max_shard_gb=0.00002"]) == 0
+    assert (tmp_path / "out" / safetensors_io.INDEX).exists()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    theirs_sd, back_sd = model.state_dict(), back.state_dict()
+    assert theirs_sd.keys() == back_sd.keys()
+    for k in theirs_sd:
+        assert torch.equal(theirs_sd[k], back_sd[k]), k
+    # Re-import: the same parameters, bit for bit (same fingerprint and checksums).
+    convert.import_hf(tmp_path / "out", tmp_path / "ck2", log=lambda _: None)
+    metas = [json.loads((tmp_path / d / "0" / "meta" / "metadata").read_text()) for d in ("ck", "ck2")]
+    assert metas[0]["params_fingerprint"] == metas[1]["params_fingerprint"]
+    assert metas[0]["checksums"] == metas[1]["checksums"]
+    assert metas[0]["params_fingerprint"] == checkpoint.fingerprint(params)
+
+
+def test_bfloat16_weights_import_exactly(tmp_path):
+    model = hf_model("qwen2", tmp_path / "f32")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    m = convert.import_hf(tmp_path / "bf16", tmp_path / "ck", log=lambda _: None)
+    _, params = load(tmp_path / "ck", m)
+    q = np.asarray(params["blocks"]["attn"]["q_DNH"][...])[1]  # (D, N, H)
+    hf_q = model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy()  # (N*H, D)
+    np.testing.assert_array_equal(q, hf_q.T.reshape(q.shape))
+    convert.export_hf(tmp_path / "ck", tmp_path / "out", dtype="bfloat16", log=lambda _: None)
+    files = safetensors_io.open_dir(tmp_path / "out")
+    name = "model.layers.1.self_attn.q_proj.weight"
+    assert files[name].header[name]["dtype"] == "BF16"
+    np.testing.assert_array_equal(files[name].get(name).astype(np.float32), hf_q)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("model_type", "mistral", "model_type='mistral'"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "rope_scaling.rope_type='yarn'"),
+    ("hidden_act", "gelu", "hidden_act='gelu'"),
+    ("attention_bias", True, "o_proj bias"),
+])
+def test_unsupported_hf_fields_are_refused_by_name(field, value, message):
+    hf = transformers.LlamaConfig(**SHAPE).to_dict()
+    hf[field] = value
+    with pytest.raises(convert.ConvertError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        convert.model_config_from_hf(hf)
