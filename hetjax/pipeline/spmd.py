@@ -22,7 +22,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -50,6 +49,12 @@ class Plan:
     @property
     def slots(self) -> int:
         return max(1, int(self.schedule.in_flight().max()))
+
+    def describe(self) -> str:
+        return (f"pipeline: {self.schedule.kind}, {self.stages} stages of {self.layout.stage_layers} "
+                f"layers, {self.microbatches} micro-batches, {self.schedule.ticks} ticks; predicted "
+                f"bubble {self.schedule.bubble_fraction():.1%}; at most {self.slots} stashed "
+                f"stage inputs per stage")
 
 
 def make_plan(cfg, mesh: Mesh) -> Plan | None:
