@@ -14,6 +14,12 @@ The embedding and the loss head are replicated over `pipeline` (still sharded by
 fsdp/tensor): their weights and Adam moments sit on every stage, but only the
 first stage runs the embedding and only the last the head (switch branches), and
 their gradients are summed over stages once per step.
+
+XLA workaround: when two of data/fsdp/tensor are larger than 1, XLA's SPMD
+partitioner (jax 0.10) aborts on gathers inside the partially manual program
+(spmd_partitioner_util ExpandDeviceGroupsWithIota). Stages then embed with a
+one-hot matmul (2*V*D FLOPs per token on the first stage, like the unembedding)
+and pick label logits with a one-hot product instead of gathers.
 """
 
 from __future__ import annotations
@@ -101,12 +107,17 @@ def _inside(body, rules):
     return wrapped
 
 
+def _gather_free(mesh: Mesh) -> bool:
+    return sum(mesh.shape[a] > 1 for a in ("data", "fsdp", "tensor")) > 1
+
+
 def make_grad_fn(graphdef, mesh: Mesh, rules, plan: Plan):
     """(params in pipeline layout, batch) -> (loss sum, token count, summed gradients)."""
     S, K = plan.stages, plan.slots
     sched = plan.schedule
     tables = tuple(jnp.asarray(t) for t in (sched.forward, sched.backward, sched.arrivals()))
     valid_table = jnp.asarray(plan.layout.valid()) if plan.layout.padded else None
+    gather_free = _gather_free(mesh)
     to_next = [(i, i + 1) for i in range(S - 1)]
     to_prev = [(i + 1, i) for i in range(S - 1)]
 
@@ -125,11 +136,11 @@ def make_grad_fn(graphdef, mesh: Mesh, rules, plan: Plan):
 
         def forward(first):
             return lambda x, mb: stage_forward(graphdef, params, x, mb, first=first, last=False,
-                                               valid=valid)
+                                               valid=valid, gather_free=gather_free)
 
         def backward(first, last):
             return lambda x, mb, dy: stage_backward(graphdef, params, x, mb, dy, first=first,
-                                                    last=last, valid=valid)
+                                                    last=last, valid=valid, gather_free=gather_free)
 
         forwards = [forward(True), forward(False), lambda x, mb: zeros_act]
         backwards = [backward(True, False), backward(False, False), backward(False, True),
@@ -186,6 +197,7 @@ def make_eval_step(graphdef, mesh: Mesh, rules, plan: Plan):
     """Forward only: micro-batch m is on stage s at tick m+s; the last stage adds up the loss."""
     S, M = plan.stages, plan.microbatches
     forward_table = jnp.asarray(plan.schedule.forward[:M + S - 1])
+    gather_free = _gather_free(mesh)
     valid_table = jnp.asarray(plan.layout.valid()) if plan.layout.padded else None
 
     def body(params, micro):
@@ -202,7 +214,8 @@ def make_eval_step(graphdef, mesh: Mesh, rules, plan: Plan):
 
         def run(first, last):
             def branch(x, mb):
-                out = stage_forward(graphdef, params, x, mb, first=first, last=last, valid=valid)
+                out = stage_forward(graphdef, params, x, mb, first=first, last=last, valid=valid,
+                                    gather_free=gather_free)
                 return (zero[0], out) if last else (out, zero[1])
             return branch
 

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from hetjax.config import ConfigError
+from hetjax.sharding import constrain
 from hetjax.step import loss_sums_of_logits
 
 BLOCKS = "blocks"  # the Decoder's stacked layers
@@ -124,7 +125,8 @@ def stage_params(params, layout: StageLayout, stage: int):
     return map_blocks(lambda x: x[start:stop], params)
 
 
-def stage_forward(graphdef, params, x, batch, *, first: bool, last: bool, valid=None):
+def stage_forward(graphdef, params, x, batch, *, first: bool, last: bool, valid=None,
+                  gather_free: bool = False):
     """One stage on one micro-batch.
 
     params: the model's parameters with `blocks` holding only this stage's layers.
@@ -132,21 +134,35 @@ def stage_forward(graphdef, params, x, batch, *, first: bool, last: bool, valid=
     which embeds batch["inputs"]). Returns the (b, T, D) activation, or on the last
     stage the micro-batch's summed token loss (a scalar).
     valid: (layers,) bool, False for padding layers.
+    gather_free: embed and pick label logits with one-hot products instead of
+    gathers (see hetjax.pipeline.spmd for why).
     """
     model = nnx.merge(graphdef, params)
     if first:
-        x = model.embed(batch["inputs"])
+        x = _one_hot_embed(model, batch["inputs"]) if gather_free else model.embed(batch["inputs"])
     x = model.apply_layers(x, batch["positions"], batch["segment_ids"], nnx.state(model.blocks), valid)
-    if last:
-        return loss_sums_of_logits(model.logits(x), batch)[0]
-    return x
+    if not last:
+        return x
+    logits = model.logits(x)  # (b, T, V) fp32
+    if gather_free:
+        labels = jax.nn.one_hot(batch["targets"], logits.shape[-1], dtype=logits.dtype)
+        token_loss = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(labels * logits, axis=-1)
+        return jnp.sum(token_loss * batch["loss_mask"].astype(jnp.float32))
+    return loss_sums_of_logits(logits, batch)[0]
 
 
-def stage_backward(graphdef, params, x, batch, dy, *, first: bool, last: bool, valid=None):
+def _one_hot_embed(model, tokens):
+    table = model.embed_VD[...]
+    x = jnp.einsum("BTV,VD->BTD", jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype), table)
+    return constrain(x.astype(model.dtype), ("batch", "length", "embed"))
+
+
+def stage_backward(graphdef, params, x, batch, dy, *, first: bool, last: bool, valid=None,
+                   gather_free: bool = False):
     """Recomputes the stage from its input x and returns (parameter gradients,
     input gradient, loss sum). dy is the gradient of the stage's output; the last
     stage seeds its loss sum with 1 instead, and returns that loss sum (0 elsewhere)."""
     out, vjp = jax.vjp(lambda p, x: stage_forward(graphdef, p, x, batch, first=first, last=last,
-                                                  valid=valid), params, x)
+                                                  valid=valid, gather_free=gather_free), params, x)
     grads, dx = vjp(jnp.ones_like(out) if last else dy)
     return grads, dx, (out if last else jnp.zeros((), jnp.float32))
