@@ -29,20 +29,14 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 from hetjax import data, pipeline, step  # noqa: E402
-from hetjax import state as state_lib  # noqa: E402
 from hetjax.config import Config, MeshConfig, ModelConfig, OptimConfig, PipelineConfig, validate  # noqa: E402
 from hetjax.mesh import make_mesh  # noqa: E402
-from hetjax.optim import learning_rate_schedule, make_optimizer  # noqa: E402
+from hetjax.optim import learning_rate_schedule  # noqa: E402
 
 
 def build(cfg, devices):
     mesh = make_mesh(cfg.mesh, devices)
-    plan = pipeline.make_plan(cfg, mesh)
-    rules = pipeline.rules(cfg, plan)
-    tx = make_optimizer(cfg.optim, cfg.steps)
-    graphdef, abstract = pipeline.abstract_state(cfg, tx, plan)
-    shardings = state_lib.state_shardings(abstract, mesh, rules)
-    state = pipeline.create_state(cfg, tx, shardings, plan)
+    plan, rules, tx, graphdef, shardings, state = pipeline.build(cfg, mesh)
     lr = learning_rate_schedule(cfg.optim, cfg.steps)
     fn = (step.make_train_step(graphdef, tx, lr, mesh, rules) if plan is None
           else pipeline.make_train_step(graphdef, tx, lr, mesh, rules, plan))

@@ -159,12 +159,7 @@ def reference():
 def run_pipelined(cfg):
     mesh = make_mesh(cfg.mesh, jax.devices()[:np.prod([getattr(cfg.mesh, a) for a in
                                                        ("pipeline", "data", "fsdp", "tensor")])])
-    plan = pipeline.make_plan(cfg, mesh)
-    rules = pipeline.rules(cfg, plan)
-    tx = make_optimizer(cfg.optim, cfg.steps)
-    graphdef, abstract = pipeline.abstract_state(cfg, tx, plan)
-    shardings = state_lib.state_shardings(abstract, mesh, rules)
-    state = pipeline.create_state(cfg, tx, shardings, plan)
+    plan, rules, tx, graphdef, shardings, state = pipeline.build(cfg, mesh)
     batches = _batches(cfg, mesh, rules)
     grad_fn = pipeline.make_grad_fn(graphdef, mesh, rules, plan)
     grads = jax.jit(_mean_grads, static_argnums=0)(grad_fn, state.params, batches[0])

@@ -15,6 +15,18 @@ from hetjax.pipeline.spmd import Plan, make_eval_step, make_train_step, sharding
 from hetjax.pipeline.stages import to_stages
 
 
+def build(cfg, mesh):
+    """(plan, rules, optimizer, graphdef, state shardings, initial state) for cfg on mesh."""
+    from hetjax.optim import make_optimizer
+    from hetjax.pipeline.spmd import make_plan
+    plan = make_plan(cfg, mesh)
+    r = rules(cfg, plan)
+    tx = make_optimizer(cfg.optim, cfg.steps)
+    graphdef, abstract = abstract_state(cfg, tx, plan)
+    shardings = state_lib.state_shardings(abstract, mesh, r)
+    return plan, r, tx, graphdef, shardings, create_state(cfg, tx, shardings, plan)
+
+
 def rules(cfg, plan: Plan | None) -> tuple:
     return cfg.sharding.rules if plan is None else sharding_rules(cfg.sharding.rules)
 
