@@ -156,8 +156,12 @@ def make_grad_fn(graphdef, mesh: Mesh, rules, plan: Plan):
             # The last stage runs no separate forward: its backward computes the loss.
             fi = jnp.where((f >= 0) & (kind < 2), kind, 2)
             y = jax.lax.switch(fi, forwards, stash[jnp.maximum(f, 0) % K], pick(f))
+            # Collectives inside the two switches (fsdp/tensor) and the permutes must
+            # run in one order on every device, or the CPU runtime can deadlock.
+            y, x_b = jax.lax.optimization_barrier((y, stash[jnp.maximum(b, 0) % K]))
             bi = jnp.where(b >= 0, kind, 3)
-            g, dx, l = jax.lax.switch(bi, backwards, stash[jnp.maximum(b, 0) % K], pick(b), recv_dx)
+            g, dx, l = jax.lax.switch(bi, backwards, x_b, pick(b), recv_dx)
+            y, dx, g = jax.lax.optimization_barrier((y, dx, g))
             grads = jax.tree.map(jnp.add, grads, g)
             recv_x = jax.lax.ppermute(y, AXIS, to_next)
             recv_dx = jax.lax.ppermute(dx, AXIS, to_prev)
