@@ -155,6 +155,15 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Micro-batch schedule over the `pipeline` mesh axis (used when config.mesh.pipeline > 1)."""
+
+    schedule: str = "1f1b"  # gpipe | 1f1b (see hetjax/pipeline/schedule.py)
+    microbatches: int = 4  # the global batch is split into this many micro-batches
+    stage_layers: tuple = ()  # layers per stage, e.g. (3, 5); () splits num_layers evenly
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     name: str = "tiny"
     model: ModelConfig = ModelConfig()
@@ -163,6 +172,7 @@ class Config:
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     compile: CompileConfig = CompileConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     seed: int = 0  # parameter initialisation
     steps: int = 100
     batch_size: int = 8  # global, in sequences
@@ -329,10 +339,7 @@ def validate(cfg: Config) -> None:
     for axis, size in zip(MESH_AXES, sizes):
         if size == 0 or size < -1:
             raise ConfigError(f"config.mesh.{axis}={size}: use a positive size, or -1 for the remaining devices")
-    if cfg.mesh.pipeline != 1:
-        raise ConfigError(
-            f"config.mesh.pipeline={cfg.mesh.pipeline}: pipeline stages are not implemented yet; "
-            f"set config.mesh.pipeline=1")
+    _validate_pipeline(cfg)
     if not 0.0 <= cfg.sharding.max_replicated_fraction <= 1.0:
         raise ConfigError(
             f"config.sharding.max_replicated_fraction={cfg.sharding.max_replicated_fraction}: "
@@ -373,6 +380,46 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
             raise ConfigError(f"config.checkpoint.{key}={getattr(c, key)}: use 0 (off) or a positive step count")
     if c.keep < 1:
         raise ConfigError(f"config.checkpoint.keep={c.keep}: keep at least 1 checkpoint, or resume is impossible")
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    p, stages = cfg.pipeline, cfg.mesh.pipeline
+    if p.schedule not in ("gpipe", "1f1b"):
+        raise ConfigError(f"config.pipeline.schedule={p.schedule!r}: choose one of ('gpipe', '1f1b')")
+    if p.microbatches <= 0:
+        raise ConfigError(f"config.pipeline.microbatches={p.microbatches}: must be positive")
+    if stages == 1 or (stages == -1 and not p.stage_layers):
+        return
+    if cfg.optim.grad_accum_steps != 1:
+        raise ConfigError(
+            f"config.optim.grad_accum_steps={cfg.optim.grad_accum_steps} with config.mesh.pipeline="
+            f"{stages}: the pipeline already splits the batch; set config.pipeline.microbatches instead")
+    if p.stage_layers:
+        if stages != -1 and len(p.stage_layers) != stages:
+            raise ConfigError(
+                f"config.pipeline.stage_layers={p.stage_layers} names {len(p.stage_layers)} stages "
+                f"but config.mesh.pipeline={stages}; give one layer count per stage")
+        if any(not isinstance(n, int) or n < 1 for n in p.stage_layers):
+            raise ConfigError(f"config.pipeline.stage_layers={p.stage_layers}: every stage needs >= 1 layer")
+        if sum(p.stage_layers) != cfg.model.num_layers:
+            raise ConfigError(
+                f"config.pipeline.stage_layers={p.stage_layers} adds up to {sum(p.stage_layers)} "
+                f"layers but config.model.num_layers={cfg.model.num_layers}; make them add up")
+        stages = len(p.stage_layers)
+    elif cfg.model.num_layers % stages:
+        raise ConfigError(
+            f"config.model.num_layers={cfg.model.num_layers} does not split evenly into "
+            f"config.mesh.pipeline={stages} stages; set config.pipeline.stage_layers (e.g. an "
+            f"uneven split adding up to {cfg.model.num_layers}) or change the number of stages")
+    if p.schedule == "1f1b" and p.microbatches < stages:
+        raise ConfigError(
+            f"config.pipeline.microbatches={p.microbatches} is smaller than the {stages} pipeline "
+            f"stages: 1F1B never fills the pipeline; use at least {stages} micro-batches, or "
+            f"config.pipeline.schedule='gpipe'")
+    if cfg.batch_size % p.microbatches:
+        raise ConfigError(
+            f"config.batch_size={cfg.batch_size} is not divisible by config.pipeline.microbatches="
+            f"{p.microbatches}; make the batch a multiple of the micro-batch count")
 
 
 def _validate_rules(rules, m: ModelConfig) -> None:

@@ -27,6 +27,10 @@ def loss_sums(params, graphdef, batch):
     micro-batches and shards of a batch add up to the same mean."""
     model = nnx.merge(graphdef, params)
     logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])  # (B, T, V) fp32
+    return loss_sums_of_logits(logits, batch)
+
+
+def loss_sums_of_logits(logits, batch):
     token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["loss_mask"].astype(jnp.float32)
     return jnp.sum(token_loss * mask), jnp.sum(mask)
@@ -58,19 +62,24 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, mesh: 
 
                 zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
                 (loss_sum, count, grads), _ = jax.lax.scan(accumulate, zeros, micro)
-        count = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: g / count, grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {
-            "loss": loss_sum / count,
-            "grad_norm": optax.tree.norm(grads),
-            "learning_rate": schedule(state.step),
-            "tokens": count,
-        }
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        return apply_gradients(state, tx, schedule, grads, loss_sum, count)
 
     return train_step
+
+
+def apply_gradients(state: TrainState, tx, schedule, grads, loss_sum, count):
+    """Every train step's tail: summed gradients -> mean, optimizer update, metrics."""
+    count = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: g / count, grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        "loss": loss_sum / count,
+        "grad_norm": optax.tree.norm(grads),
+        "learning_rate": schedule(state.step),
+        "tokens": count,
+    }
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def make_eval_step(graphdef, mesh: Mesh, rules):

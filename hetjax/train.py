@@ -17,7 +17,7 @@ import numpy as np
 
 from hetjax import checkpoint
 from hetjax import config as config_lib
-from hetjax import data, memory, metrics, optim, sharding, step
+from hetjax import data, memory, metrics, optim, pipeline, sharding, step
 from hetjax import state as state_lib
 from hetjax.compile import aot, backend
 from hetjax.mesh import describe, make_mesh
@@ -41,10 +41,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # Everything below up to create_state is abstract: no parameter is allocated.
     mesh = make_mesh(cfg.mesh)
-    rules = cfg.sharding.rules
+    plan = pipeline.make_plan(cfg, mesh)  # None unless config.mesh.pipeline > 1
+    rules = pipeline.rules(cfg, plan)
     tx = optim.make_optimizer(cfg.optim, cfg.steps)
-    sharding.check_divisible(cfg.model.dims(), rules, mesh)
-    graphdef, abstract_state = state_lib.abstract_state(cfg.model, cfg.seed, tx)
+    sharding.check_divisible(pipeline.dims(cfg, plan), rules, mesh)
+    graphdef, abstract_state = pipeline.abstract_state(cfg, tx, plan)
     layouts = sharding.param_layouts(abstract_state.params, mesh, rules)
     replicated = sharding.check_replication(layouts, mesh, cfg.sharding.max_replicated_fraction)
     num_params = sum(math.prod(l.shape) for l in layouts)
@@ -52,13 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.name}: {num_params:,} parameters on mesh {describe(mesh)} "
           f"({mesh.devices.flat[0].device_kind}); {replicated:.1%} of parameter bytes replicated; "
           f"needs {estimate.describe()}", flush=True)
+    if plan is not None:
+        print(plan.describe(), flush=True)
     if not args.compile_only:
         memory.check_fits(cfg, estimate, mesh)
 
     state_shardings = state_lib.state_shardings(abstract_state, mesh, rules)
     batch_shardings = step.batch_shardings(mesh, rules)
     t0 = time.perf_counter()
-    train_step = step.compile_train_step(cfg, graphdef, tx, abstract_state, state_shardings, mesh)
+    train_step = pipeline.compile_train_step(cfg, graphdef, tx, abstract_state, state_shardings, mesh, plan)
     print(f"compiled the train step in {time.perf_counter() - t0:.1f}s", flush=True)
     flops_per_step = metrics.model_flops_per_token(cfg, num_params) * cfg.batch_size * cfg.seq_len
     if args.compile_only:
@@ -84,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         params = checkpoint.load_params(cfg.init_from, abstract_state.params, state_shardings.params)
         state, start = checkpoint.fresh_state(params, tx, state_shardings), cfg.data.start_step
     else:
-        state, start = state_lib.create_state(cfg.model, cfg.seed, tx, state_shardings), cfg.data.start_step
-    eval_step = step.compile_eval_step(cfg, graphdef, abstract_state.params, state_shardings.params, mesh)
+        state, start = pipeline.create_state(cfg, tx, state_shardings, plan), cfg.data.start_step
+    eval_step = pipeline.compile_eval_step(cfg, graphdef, abstract_state.params, state_shardings.params,
+                                           mesh, plan)
     batches = dataset.iterator(batch_shardings, start)
     if restored is not None:
         batches.set_state(restored.data_state)  # refuses a state saved for other data

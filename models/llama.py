@@ -221,21 +221,34 @@ class Decoder(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
         if segment_ids is None:
             segment_ids = jnp.ones((B, T), jnp.int32)
-        inv_freq = rope_inv_freq(*self.rope)
+        x = self.embed(tokens)
+        x = self.apply_layers(x, positions, segment_ids, nnx.split(self.blocks)[1])
+        return self.logits(x)
 
+    # The three parts below are also a pipeline's stages: the first stage embeds,
+    # every stage applies its slice of the stacked layers, the last one projects.
+
+    def embed(self, tokens):
         x = jnp.take(self.embed_VD[...], tokens, axis=0).astype(self.dtype)  # (B, T, D)
-        x = constrain(x, ("batch", "length", "embed"))
+        return constrain(x, ("batch", "length", "embed"))
 
-        blocks_def, blocks_state = nnx.split(self.blocks)
+    def apply_layers(self, x, positions, segment_ids, blocks_state, valid=None):
+        """Scans the layers stacked in `blocks_state` (any number of them) over x.
+        `valid` (bool per layer) turns a layer into the identity: pipeline padding."""
+        inv_freq = rope_inv_freq(*self.rope)
+        blocks_def = nnx.graphdef(self.blocks)
 
-        def layer(x, state):
-            block = nnx.merge(blocks_def, state)
-            return block(x, positions, segment_ids, inv_freq), None
+        def layer(x, state_and_valid):
+            state, ok = state_and_valid
+            y = nnx.merge(blocks_def, state)(x, positions, segment_ids, inv_freq)
+            return (y if ok is None else jnp.where(ok, y, x)), None
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, blocks_state)
+        x, _ = jax.lax.scan(layer, x, (blocks_state, valid))
+        return x
 
+    def logits(self, x):
         x = self.final_norm(x)
         unembed = self.embed_VD[...].T if self.tie_embeddings else self.unembed_DV[...]
         logits = jnp.einsum("BTD,DV->BTV", x, unembed.astype(self.dtype))

@@ -1,0 +1,81 @@
+"""What the training program calls to build state and steps for any mesh: with
+mesh.pipeline = 1 these are hetjax.state / hetjax.step unchanged."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hetjax import state as state_lib
+from hetjax import step
+from hetjax.compile import aot
+from hetjax.optim import learning_rate_schedule
+from hetjax.pipeline.spmd import Plan, make_eval_step, make_train_step, sharding_rules
+from hetjax.pipeline.stages import to_stages
+
+
+def build(cfg, mesh):
+    """(plan, rules, optimizer, graphdef, state shardings, initial state) for cfg on mesh."""
+    from hetjax.optim import make_optimizer
+    from hetjax.pipeline.spmd import make_plan
+    plan = make_plan(cfg, mesh)
+    r = rules(cfg, plan)
+    tx = make_optimizer(cfg.optim, cfg.steps)
+    graphdef, abstract = abstract_state(cfg, tx, plan)
+    shardings = state_lib.state_shardings(abstract, mesh, r)
+    return plan, r, tx, graphdef, shardings, create_state(cfg, tx, shardings, plan)
+
+
+def rules(cfg, plan: Plan | None) -> tuple:
+    return cfg.sharding.rules if plan is None else sharding_rules(cfg.sharding.rules)
+
+
+def dims(cfg, plan: Plan | None) -> dict:
+    """ModelConfig.dims() with `layers` as the pipeline layout holds them (padded)."""
+    out = cfg.model.dims()
+    if plan is not None:
+        out["layers"] = ("pipeline.stage_layers (padded)", plan.stages * plan.layout.per_stage)
+    return out
+
+
+def abstract_state(cfg, tx, plan: Plan | None):
+    if plan is None or not plan.layout.padded:
+        return state_lib.abstract_state(cfg.model, cfg.seed, tx)
+    graphdef, _ = state_lib.abstract_state(cfg.model, cfg.seed, tx)
+    return graphdef, jax.eval_shape(lambda: _init(cfg, tx, plan))
+
+
+def _init(cfg, tx, plan: Plan):
+    _, params = nnx.split(state_lib.make_model(cfg.model, cfg.seed))
+    params = to_stages(params, plan.layout)
+    return state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
+def create_state(cfg, tx, shardings, plan: Plan | None):
+    """The same initial weights as the unpipelined model, in the pipeline layout."""
+    if plan is None or not plan.layout.padded:
+        return state_lib.create_state(cfg.model, cfg.seed, tx, shardings)
+    return jax.jit(lambda: _init(cfg, tx, plan), out_shardings=shardings)()
+
+
+def compile_train_step(cfg, graphdef, tx, abstract, shardings, mesh, plan: Plan | None):
+    if plan is None:
+        return step.compile_train_step(cfg, graphdef, tx, abstract, shardings, mesh)
+    r = rules(cfg, plan)
+    fn = make_train_step(graphdef, tx, learning_rate_schedule(cfg.optim, cfg.steps), mesh, r, plan)
+    batch_sh = step.batch_shardings(mesh, r)
+    return aot.compile(step.jit_train_step(fn, shardings, batch_sh, mesh),
+                       aot.abstract(abstract, shardings),
+                       step.abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))
+
+
+def compile_eval_step(cfg, graphdef, abstract_params, param_shardings, mesh, plan: Plan | None):
+    if plan is None:
+        return step.compile_eval_step(cfg, graphdef, abstract_params, param_shardings, mesh)
+    r = rules(cfg, plan)
+    batch_sh = step.batch_shardings(mesh, r)
+    return aot.compile(step.jit_eval_step(make_eval_step(graphdef, mesh, r, plan), param_shardings,
+                                          batch_sh, mesh),
+                       aot.abstract(abstract_params, param_shardings),
+                       step.abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))

@@ -1,0 +1,168 @@
+"""A model cut into stages: the parameter layout, and one stage's forward and
+backward as plain functions of (stage parameters, input, micro-batch).
+
+The functions know nothing about meshes or schedules, so they serve both the
+single-program pipeline (hetjax.pipeline.spmd) and stages that live in different
+processes (islands), joined by a transfer of activations and their gradients.
+
+Layout. The stacked layers (leading `layers` axis) are cut into S runs of
+`stage_layers[s]` layers. An even split keeps the model's own layout: stage s
+holds layers [s*L/S, (s+1)*L/S), so `layers -> pipeline` is an ordinary
+NamedSharding and checkpoints are interchangeable with the unpipelined model.
+An uneven split pads every stage to the longest one, P = max(stage_layers),
+giving a leading axis of S*P that the pipeline axis divides. Padding layers are
+zero and masked to the identity, so their gradients, Adam moments and weight
+decay are exactly zero and they never change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hetjax.config import ConfigError
+from hetjax.sharding import constrain
+from hetjax.step import loss_sums_of_logits
+
+BLOCKS = "blocks"  # the Decoder's stacked layers
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    stage_layers: tuple[int, ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.stage_layers)
+
+    @property
+    def per_stage(self) -> int:
+        return max(self.stage_layers)
+
+    @property
+    def padded(self) -> bool:
+        return len(set(self.stage_layers)) > 1
+
+    def source(self) -> np.ndarray:
+        """(S*P,): the model layer at each padded position, -1 for padding."""
+        out = np.full((self.stages, self.per_stage), -1)
+        start = 0
+        for s, n in enumerate(self.stage_layers):
+            out[s, :n] = np.arange(start, start + n)
+            start += n
+        return out.reshape(-1)
+
+    def valid(self) -> np.ndarray:
+        """(S, P) bool: which positions of each stage hold a real layer."""
+        return (self.source() >= 0).reshape(self.stages, self.per_stage)
+
+    def stage_range(self, stage: int) -> tuple[int, int]:
+        """Model layers [start, stop) of this stage."""
+        start = sum(self.stage_layers[:stage])
+        return start, start + self.stage_layers[stage]
+
+
+def make_layout(num_layers: int, stages: int, stage_layers=()) -> StageLayout:
+    """Layers per stage: `stage_layers` if given, else an even split (ConfigError otherwise)."""
+    if stage_layers:
+        stage_layers = tuple(stage_layers)
+        if len(stage_layers) != stages:
+            raise ConfigError(
+                f"config.pipeline.stage_layers={stage_layers} names {len(stage_layers)} stages but "
+                f"the mesh has pipeline={stages}; give one layer count per stage")
+        if min(stage_layers) < 1 or sum(stage_layers) != num_layers:
+            raise ConfigError(
+                f"config.pipeline.stage_layers={stage_layers}: each stage needs >= 1 layer and "
+                f"they must add up to config.model.num_layers={num_layers}")
+        return StageLayout(stage_layers)
+    if num_layers % stages:
+        raise ConfigError(
+            f"config.model.num_layers={num_layers} does not split evenly into {stages} pipeline "
+            f"stages; set config.pipeline.stage_layers (e.g. an uneven split adding up to "
+            f"{num_layers}) or change config.mesh.pipeline")
+    return StageLayout((num_layers // stages,) * stages)
+
+
+def _is_blocks(path) -> bool:
+    key = path[0]
+    return getattr(key, "key", getattr(key, "name", None)) == BLOCKS
+
+
+def map_blocks(fn, tree, other=lambda x: x):
+    """Applies fn to the stacked-layer leaves of a parameter tree, `other` to the rest."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: fn(x) if _is_blocks(p) else other(x), tree)
+
+
+def to_stages(params, layout: StageLayout):
+    """Model layout (L, ...) -> pipeline layout (S*P, ...), padding with zeros."""
+    if not layout.padded:
+        return params
+    src = layout.source()
+    idx, keep = np.maximum(src, 0), src >= 0
+
+    def pad(x):
+        mask = keep.reshape((-1,) + (1,) * (x.ndim - 1))
+        return jnp.where(mask, x[idx], jnp.zeros((), x.dtype))
+    return map_blocks(pad, params)
+
+
+def from_stages(params, layout: StageLayout):
+    """Pipeline layout (S*P, ...) -> model layout (L, ...)."""
+    if not layout.padded:
+        return params
+    real = np.nonzero(layout.source() >= 0)[0]
+    return map_blocks(lambda x: x[real], params)
+
+
+def stage_params(params, layout: StageLayout, stage: int):
+    """One stage's parameters (model layout in): its layers, and the embedding
+    and head leaves, which only the first and last stages use."""
+    start, stop = layout.stage_range(stage)
+    return map_blocks(lambda x: x[start:stop], params)
+
+
+def stage_forward(graphdef, params, x, batch, *, first: bool, last: bool, valid=None,
+                  gather_free: bool = False):
+    """One stage on one micro-batch.
+
+    params: the model's parameters with `blocks` holding only this stage's layers.
+    x: (b, T, D) activation from the previous stage (ignored on the first stage,
+    which embeds batch["inputs"]). Returns the (b, T, D) activation, or on the last
+    stage the micro-batch's summed token loss (a scalar).
+    valid: (layers,) bool, False for padding layers.
+    gather_free: embed and pick label logits with one-hot products instead of
+    gathers (see hetjax.pipeline.spmd for why).
+    """
+    model = nnx.merge(graphdef, params)
+    if first:
+        x = _one_hot_embed(model, batch["inputs"]) if gather_free else model.embed(batch["inputs"])
+    x = model.apply_layers(x, batch["positions"], batch["segment_ids"], nnx.state(model.blocks), valid)
+    if not last:
+        return x
+    logits = model.logits(x)  # (b, T, V) fp32
+    if gather_free:
+        labels = jax.nn.one_hot(batch["targets"], logits.shape[-1], dtype=logits.dtype)
+        token_loss = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(labels * logits, axis=-1)
+        return jnp.sum(token_loss * batch["loss_mask"].astype(jnp.float32))
+    return loss_sums_of_logits(logits, batch)[0]
+
+
+def _one_hot_embed(model, tokens):
+    table = model.embed_VD[...]
+    x = jnp.einsum("BTV,VD->BTD", jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype), table)
+    return constrain(x.astype(model.dtype), ("batch", "length", "embed"))
+
+
+def stage_backward(graphdef, params, x, batch, dy, *, first: bool, last: bool, valid=None,
+                   gather_free: bool = False):
+    """Recomputes the stage from its input x and returns (parameter gradients,
+    input gradient, loss sum). dy is the gradient of the stage's output; the last
+    stage seeds its loss sum with 1 instead, and returns that loss sum (0 elsewhere)."""
+    out, vjp = jax.vjp(lambda p, x: stage_forward(graphdef, p, x, batch, first=first, last=last,
+                                                  valid=valid, gather_free=gather_free), params, x)
+    grads, dx = vjp(jnp.ones_like(out) if last else dy)
+    return grads, dx, (out if last else jnp.zeros((), jnp.float32))

@@ -1,0 +1,269 @@
+"""Pipeline parallelism: schedules, stage functions, and the pipelined step equal
+to the unpipelined one on every mesh."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hetjax import data, pipeline, sharding, step
+from hetjax import state as state_lib
+from hetjax.compile import aot
+from hetjax.config import (Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, PipelineConfig,
+                           validate)
+from hetjax.mesh import make_mesh
+from hetjax.optim import learning_rate_schedule, make_optimizer
+from hetjax.pipeline.schedule import check
+from tests.test_sharding import build
+
+CFG = Config(
+    model=ModelConfig(vocab_size=64, num_layers=6, embed_dim=32, mlp_dim=64, num_heads=4,
+                      num_kv_heads=2, head_dim=8),
+    optim=OptimConfig(learning_rate=1e-2, warmup_steps=1),
+    batch_size=8, seq_len=16, steps=3)
+
+
+# ---------------------------------------------------------------------------
+# The schedule as data
+
+
+def _ticks(schedule):
+    """{(op, micro-batch, stage): tick}, read independently of Schedule's helpers."""
+    seen = {}
+    for name, table in (("F", schedule.forward), ("B", schedule.backward)):
+        for t, s in zip(*np.nonzero(table >= 0)):
+            key = (name, int(table[t, s]), int(s))
+            assert key not in seen, f"{key} runs twice"
+            seen[key] = int(t)
+    return seen
+
+
+@pytest.mark.parametrize("kind", pipeline.KINDS)
+def test_every_forward_and_backward_runs_once_in_dependency_order(kind):
+    for S in range(1, 6):
+        for M in range(S, 10):
+            sched = pipeline.make_schedule(kind, S, M)
+            tick = _ticks(sched)
+            assert len(tick) == 2 * S * M  # each (micro-batch, stage) forward and backward once
+            for m in range(M):
+                for s in range(S):
+                    if s > 0:  # the input was sent in an earlier tick
+                        assert tick["F", m, s] > tick["F", m, s - 1]
+                    if s < S - 1:  # the output gradient was sent in an earlier tick
+                        assert tick["B", m, s] > tick["B", m, s + 1]
+                    assert tick["B", m, s] >= tick["F", m, s]
+            # Bubble of both schedules: (S-1)/(M+S-1) of a stage's time.
+            assert sched.bubble_fraction() == pytest.approx((S - 1) / (M + S - 1))
+            # Stashed inputs: M for GPipe; for 1F1B bounded in S, not M.
+            held = sched.in_flight().max()
+            assert held == (0 if S == 1 else M if kind == "gpipe" else min(M, 2 * S - 3))
+            # The per-stage order that islands read matches the tables.
+            for s in range(S):
+                ops = sched.ops(s)
+                assert sorted(ops) == sorted([("F", m) for m in range(M)] + [("B", m) for m in range(M)])
+                assert [tick[op, m, s] for op, m in ops] == sorted(tick[op, m, s] for op, m in ops)
+
+
+def test_the_check_refuses_a_schedule_out_of_order():
+    sched = pipeline.make_schedule("gpipe", 2, 2)
+    swapped = dataclasses.replace(sched, forward=sched.forward[:, ::-1].copy())  # stage 1 first
+    with pytest.raises(ValueError, match="before the previous stage"):
+        check(swapped)
+
+
+def test_timeline_shows_every_operation(tmp_path):
+    sched = pipeline.make_schedule("1f1b", 4, 8)
+    text = pipeline.timeline(sched)
+    rows = text.splitlines()[2:]
+    assert len(rows) == 4 and "bubble 27.3%" in text
+    for s, row in enumerate(rows):
+        for m in range(8):
+            assert f"F{m}" in row and f"B{m}" in row
+    assert rows[0].split()[2] == "F0" and rows[3].split()[2:4] == [".", "."]
+    pipeline.plot(sched, str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------------
+# Stages as plain functions (what islands run), against the whole model
+
+
+def test_stage_functions_chained_equal_the_model():
+    cfg = CFG.model
+    mesh, rules, tx, graphdef, shardings, state = build(CFG, MeshConfig(fsdp=1), 1)
+    params = jax.device_get(state.params)
+    batch = data.build(CFG).train.rows(np.arange(4))  # four rows of step 0
+    (loss, _), ref = jax.jit(jax.value_and_grad(step.loss_sums, has_aux=True), static_argnums=1)(
+        params, graphdef, batch)
+
+    forward = jax.jit(pipeline.stage_forward, static_argnums=0, static_argnames=("first", "last"))
+    backward = jax.jit(pipeline.stage_backward, static_argnums=0, static_argnames=("first", "last"))
+    layout = pipeline.make_layout(cfg.num_layers, 3, (1, 3, 2))
+    parts = [pipeline.stage_params(params, layout, s) for s in range(3)]
+    kw = [dict(first=s == 0, last=s == 2) for s in range(3)]
+    xs = [None]
+    for s in range(3):
+        xs.append(forward(graphdef, parts[s], xs[-1], batch, **kw[s]))
+    np.testing.assert_allclose(xs[-1], loss, rtol=1e-6)
+    dy, grads = None, []
+    for s in reversed(range(3)):
+        x = jnp.zeros_like(xs[1]) if s == 0 else xs[s]
+        g, dy, _ = backward(graphdef, parts[s], x, batch, dy, **kw[s])
+        grads.insert(0, dict((jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_leaves_with_path(g)))
+    for path, r in jax.tree_util.tree_leaves_with_path(ref):
+        key = jax.tree_util.keystr(path)
+        # A stage's layers are its own; embedding and head gradients add over stages.
+        g = np.concatenate([g[key] for g in grads]) if "blocks" in key else sum(g[key] for g in grads)
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-6 * np.abs(r).max(), err_msg=key)
+
+
+# ---------------------------------------------------------------------------
+# The pipelined step against the unpipelined one
+
+
+def _batches(cfg, mesh, rules):
+    dataset, sh = data.build(cfg), step.batch_shardings(mesh, rules)
+    return [dataset.batch(s, sh) for s in range(cfg.steps)]
+
+
+def _mean_grads(grad_fn, params, batch):
+    loss, count, grads = grad_fn(params, batch)
+    return jax.tree.map(lambda g: g / count, grads)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """First-step gradients and three steps of losses, unpipelined, on 1 device."""
+    mesh, rules, tx, graphdef, shardings, state = build(CFG, MeshConfig(fsdp=1), 1)
+    batches = _batches(CFG, mesh, rules)
+
+    def grad_fn(params, batch):
+        with sharding.logical_rules(mesh, rules):
+            (l, c), g = jax.value_and_grad(step.loss_sums, has_aux=True)(params, graphdef, batch)
+        return l, c, g
+
+    grads = jax.device_get(jax.jit(_mean_grads, static_argnums=0)(grad_fn, state.params, batches[0]))
+    train_step = step.jit_train_step(
+        step.make_train_step(graphdef, tx, learning_rate_schedule(CFG.optim, CFG.steps), mesh, rules),
+        shardings, step.batch_shardings(mesh, rules), mesh)
+    losses = []
+    for batch in batches:
+        state, metrics = train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return grads, np.array(losses), jax.device_get(state.params)
+
+
+def run_pipelined(cfg):
+    mesh = make_mesh(cfg.mesh, jax.devices()[:np.prod([getattr(cfg.mesh, a) for a in
+                                                       ("pipeline", "data", "fsdp", "tensor")])])
+    plan, rules, tx, graphdef, shardings, state = pipeline.build(cfg, mesh)
+    batches = _batches(cfg, mesh, rules)
+    grad_fn = pipeline.make_grad_fn(graphdef, mesh, rules, plan)
+    grads = jax.jit(_mean_grads, static_argnums=0)(grad_fn, state.params, batches[0])
+    train_step = step.jit_train_step(
+        pipeline.make_train_step(graphdef, tx, learning_rate_schedule(cfg.optim, cfg.steps), mesh,
+                                 rules, plan),
+        shardings, step.batch_shardings(mesh, rules), mesh)
+    losses = []
+    for batch in batches:
+        state, metrics = train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return plan, jax.device_get(grads), np.array(losses), jax.device_get(state)
+
+
+def _assert_trees_close(got, ref):
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref)):
+        scale = np.max(np.abs(r))
+        np.testing.assert_allclose(g / scale, r / scale, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("mesh_cfg,pipe", [
+    (MeshConfig(pipeline=2, fsdp=2, tensor=2), PipelineConfig("1f1b", 4)),
+    (MeshConfig(pipeline=4, data=2, fsdp=1), PipelineConfig("gpipe", 2, (2, 1, 2, 1))),
+    (MeshConfig(pipeline=4, fsdp=1, tensor=2), PipelineConfig("1f1b", 4, (1, 2, 2, 1))),
+], ids=["1f1b-pp2-fsdp2-tp2", "gpipe-pp4-dp2-uneven", "1f1b-pp4-tp2-uneven"])
+def test_pipelined_step_equals_the_unpipelined_one(mesh_cfg, pipe, reference):
+    ref_grads, ref_losses, ref_params = reference
+    cfg = dataclasses.replace(CFG, mesh=mesh_cfg, pipeline=pipe)
+    validate(cfg)
+    plan, grads, losses, state = run_pipelined(cfg)
+    layout = plan.layout
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _assert_trees_close(pipeline.from_stages(grads, layout), ref_grads)
+    _assert_trees_close(pipeline.from_stages(state.params, layout), ref_params)  # three steps later
+    assert losses[-1] < losses[0]
+    if layout.padded:
+        # Padding layers: zero gradient, and weights and Adam moments still exactly zero.
+        pad = layout.source() < 0
+        mu = state.opt_state[1][0].mu
+        for tree in (grads, state.params, mu):
+            for leaf in jax.tree.leaves(pipeline.stages.map_blocks(lambda x: x[pad], tree, other=lambda x: 0.0)):
+                assert not np.any(leaf)
+        # The stacked layers are split over the pipeline axis, the head is not.
+        blocks = state.params["blocks"]["mlp"]["up_DF"].get_value()
+        assert blocks.shape[0] == plan.stages * layout.per_stage
+
+
+# ---------------------------------------------------------------------------
+# Memory: 1F1B holds O(S) stage inputs, GPipe O(M)
+
+
+def test_1f1b_memory_does_not_grow_with_microbatches_like_gpipe():
+    model = dataclasses.replace(CFG.model, num_layers=2, embed_dim=64, vocab_size=32)
+    peak = {}
+    for kind in ("gpipe", "1f1b"):
+        for M in (4, 16):
+            cfg = dataclasses.replace(CFG, model=model, mesh=MeshConfig(pipeline=2, fsdp=1),
+                                      pipeline=PipelineConfig(kind, M), batch_size=2 * M, seq_len=32)
+            mesh = make_mesh(cfg.mesh, jax.devices()[:2])
+            plan = pipeline.make_plan(cfg, mesh)
+            rules = pipeline.rules(cfg, plan)
+            tx = make_optimizer(cfg.optim, cfg.steps)
+            graphdef, abstract = pipeline.abstract_state(cfg, tx, plan)
+            shardings = state_lib.state_shardings(abstract, mesh, rules)
+            batch_sh = step.batch_shardings(mesh, rules)
+            fn = jax.jit(pipeline.make_grad_fn(graphdef, mesh, rules, plan),
+                         in_shardings=(shardings.params, batch_sh))
+            compiled = aot.compile(fn, aot.abstract(abstract.params, shardings.params),
+                                   step.abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))
+            peak[kind, M] = aot.analysis(compiled)["peak_bytes"]
+    stage_input = 2 * 32 * 64 * 4  # one micro-batch's (b, T, D) fp32 activation
+    gpipe_growth = peak["gpipe", 16] - peak["gpipe", 4]
+    f1b_growth = peak["1f1b", 16] - peak["1f1b", 4]
+    assert gpipe_growth >= 12 * stage_input  # 12 more stashed inputs
+    assert f1b_growth < gpipe_growth / 4  # only the batch itself grows
+    assert peak["1f1b", 16] < peak["gpipe", 16]
+
+
+# ---------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(mesh=MeshConfig(pipeline=4)), r"num_layers=6 does not split evenly .*stage_layers"),
+    (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig(stage_layers=(2, 3))),
+     r"stage_layers=\(2, 3\) adds up to 5"),
+    (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig(stage_layers=(2, 2, 2))),
+     r"names 3 stages but config.mesh.pipeline=2"),
+    (dict(mesh=MeshConfig(pipeline=3), pipeline=PipelineConfig("1f1b", 2)),
+     r"microbatches=2 is smaller than the 3 pipeline stages"),
+    (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("gpipe", 3)),
+     r"batch_size=8 is not divisible by config.pipeline.microbatches=3"),
+    (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("pipedream")), r"schedule='pipedream'"),
+    (dict(mesh=MeshConfig(pipeline=2), optim=OptimConfig(grad_accum_steps=2)), r"grad_accum_steps=2"),
+])
+def test_bad_pipeline_configs_are_refused(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(dataclasses.replace(CFG, **changes))
+
+
+def test_refuses_a_microbatch_that_data_parallelism_cannot_split():
+    cfg = dataclasses.replace(CFG, mesh=MeshConfig(pipeline=2, data=4), pipeline=PipelineConfig("1f1b", 4))
+    validate(cfg)
+    with pytest.raises(ConfigError, match=r"micro-batch of .* 2 rows does not split over data x fsdp = 4"):
+        pipeline.make_plan(cfg, make_mesh(cfg.mesh))
+    rules = dict(CFG.sharding.rules) | {"embed": "pipeline"}
+    with pytest.raises(ConfigError, match="maps 'embed' to the 'pipeline' mesh axis"):
+        pipeline.sharding_rules(tuple(rules.items()))
