@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 return PREEMPTED
         if previous is not None:
             report(*previous)
+            previous = None
         if cfg.eval_every and cfg.steps % cfg.eval_every and start < cfg.steps:
             evaluate(cfg.steps - 1)
         if cfg.steps not in ckpt.steps():

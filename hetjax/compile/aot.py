@@ -50,17 +50,20 @@ class Program:
     state_shardings: Any
     batch_shardings: dict
     layouts: list  # sharding.ParamLayout per parameter
+    plan: Any = None  # hetjax.pipeline's Plan when config.mesh.pipeline > 1
+    rules: tuple = ()  # the sharding rules in force (the pipeline adds "layers" -> pipeline)
 
 
 def program(cfg, mesh) -> Program:
     """Checks that the model splits over `mesh` (ConfigError naming the field if not),
     then builds the abstract state and its shardings. Allocates nothing."""
-    from hetjax import optim, sharding, step
+    from hetjax import optim, pipeline, sharding, step
     from hetjax import state as state_lib
-    rules = cfg.sharding.rules
-    sharding.check_divisible(cfg.model.dims(), rules, mesh)
+    plan = pipeline.make_plan(cfg, mesh)  # None unless config.mesh.pipeline > 1
+    rules = pipeline.rules(cfg, plan)
+    sharding.check_divisible(pipeline.dims(cfg, plan), rules, mesh)
     tx = optim.make_optimizer(cfg.optim, cfg.steps)
-    graphdef, state = state_lib.abstract_state(cfg.model, cfg.seed, tx)
+    graphdef, state = pipeline.abstract_state(cfg, tx, plan)
     layouts = sharding.param_layouts(state.params, mesh, rules)
     return Program(cfg, mesh, tx, graphdef, state, state_lib.state_shardings(state, mesh, rules),
-                   step.batch_shardings(mesh, rules), layouts)
+                   step.batch_shardings(mesh, rules), layouts, plan, rules)

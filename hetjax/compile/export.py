@@ -25,7 +25,7 @@ import jaxlib
 from jax import export as jax_export
 
 from hetjax import config as config_lib
-from hetjax import step
+from hetjax import pipeline, step
 from hetjax.compile import aot, profiles
 from hetjax.optim import learning_rate_schedule
 
@@ -48,16 +48,20 @@ def _mesh_record(mesh) -> dict:
 
 def _flat_functions(prog: aot.Program):
     """(name -> (jitted flat function, abstract args, input paths, output paths))."""
-    cfg, mesh, rules = prog.cfg, prog.mesh, prog.cfg.sharding.rules
+    cfg, mesh, rules = prog.cfg, prog.mesh, prog.rules
     state_paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(prog.state)[0]]
     state_leaves, state_def = jax.tree.flatten(prog.state)
     state_sh = state_def.flatten_up_to(prog.state_shardings)
     params_leaves, params_def = jax.tree.flatten(prog.state.params)
     params_sh = params_def.flatten_up_to(prog.state_shardings.params)
     batch = step.abstract_batch(cfg.batch_size, cfg.seq_len, prog.batch_shardings)
-    train = step.make_train_step(prog.graphdef, prog.tx, learning_rate_schedule(cfg.optim, cfg.steps),
-                                 mesh, rules, cfg.optim.grad_accum_steps)
-    evaluate = step.make_eval_step(prog.graphdef, mesh, rules)
+    lr = learning_rate_schedule(cfg.optim, cfg.steps)
+    if prog.plan is None:
+        train = step.make_train_step(prog.graphdef, prog.tx, lr, mesh, rules, cfg.optim.grad_accum_steps)
+        evaluate = step.make_eval_step(prog.graphdef, mesh, rules)
+    else:
+        train = pipeline.make_train_step(prog.graphdef, prog.tx, lr, mesh, rules, prog.plan)
+        evaluate = pipeline.make_eval_step(prog.graphdef, mesh, rules, prog.plan)
 
     def train_flat(leaves, batch):
         new_state, metrics = train(state_def.unflatten(leaves), batch)

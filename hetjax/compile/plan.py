@@ -14,7 +14,7 @@ import math
 
 import jax
 
-from hetjax import memory, metrics, step
+from hetjax import memory, metrics, pipeline
 from hetjax.compile import aot, hardware, hlo
 from hetjax.config import MESH_AXES, ConfigError, MeshConfig
 
@@ -61,7 +61,8 @@ def plan(cfg, mesh, hardware_names=DEFAULT_HARDWARE) -> dict:
     """Compiles `cfg`'s train step on `mesh` with abstract inputs; per-device figures."""
     hws = [hardware.get(n) for n in hardware_names]
     prog = aot.program(cfg, mesh)
-    compiled = step.compile_train_step(cfg, prog.graphdef, prog.tx, prog.state, prog.state_shardings, mesh)
+    compiled = pipeline.compile_train_step(cfg, prog.graphdef, prog.tx, prog.state, prog.state_shardings,
+                                           mesh, prog.plan)
     in_shardings = compiled.input_shardings[0][0]  # the TrainState's, as compiled
     compiler = aot.analysis(compiled)
     counted = hlo.summarize(compiled.as_text(), mesh.size)
