@@ -19,7 +19,8 @@ scored token of an endless stream of documents:
 entropy rate of one endless document, pi . h (pi the stationary law of M), is also
 reported. Probabilities are multiples of 1/resolution, so the sampler draws token
 slots uniformly from an integer table: exact, fast, and the same on every machine
-(numpy's PCG64 with explicit seed sequences; no floating point decides a token).
+(the slots of document i are a splitmix64 counter hash of (seed, split, i), integer
+arithmetic only; no floating point decides a token).
 
 The floor assumes the model sees each token's whole document prefix. A row of the
 packed stream can start in the middle of a document, and its first tokens then see
@@ -32,6 +33,26 @@ import numpy as np
 
 BOS = 0
 SPLITS = {"train": 0, "eval": 1}
+_MASK = (1 << 64) - 1
+_U64 = np.uint64
+
+
+def _mix(z: int) -> int:
+    """splitmix64's finaliser on a Python int: a bijection of 64-bit words."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def uniform_slots(key: int, n: int, resolution: int) -> list[int]:
+    """n independent uniform draws from range(resolution), a pure function of key:
+    splitmix64 over a counter. Creating a seeded numpy Generator per document
+    costs more than the whole document, hence a counter-based hash."""
+    z = _U64(key) + np.arange(1, n + 1, dtype=np.uint64) * _U64(0x9E3779B97F4A7C15)  # wraps mod 2^64
+    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+    z ^= z >> _U64(31)
+    return ((z >> _U64(32)) * _U64(resolution) >> _U64(32)).tolist()  # top 32 bits scaled
 
 
 class SyntheticLanguage:
@@ -110,9 +131,9 @@ class SyntheticLanguage:
 
     def document(self, split: str, index: int, length: int) -> np.ndarray:
         """Tokens of document `index` (no BOS): a walk of the automaton from state 0."""
-        rng = np.random.default_rng([self.seed, SPLITS[split], 0xD0C, index])
+        key = _mix(_mix(_mix(self.seed & _MASK) ^ (0xD0C0 + SPLITS[split])) ^ (index & _MASK))
         out, s, slots, nxt = [], 0, self._slots, self._next
-        for r in rng.integers(0, self.resolution, length).tolist():
+        for r in uniform_slots(key, length, self.resolution):
             x = slots[s][r]
             out.append(x)
             s = nxt[s][x]
