@@ -158,7 +158,7 @@ class CheckpointConfig:
 class PipelineConfig:
     """Micro-batch schedule over the `pipeline` mesh axis (used when config.mesh.pipeline > 1)."""
 
-    schedule: str = "1f1b"  # gpipe | 1f1b (see hetjax/pipeline/schedule.py)
+    schedule: str = "1f1b"  # gpipe | 1f1b | 1f1b_fused (see hetjax/pipeline/schedule.py)
     microbatches: int = 4  # the global batch is split into this many micro-batches
     stage_layers: tuple = ()  # layers per stage, e.g. (3, 5); () splits num_layers evenly
 
@@ -382,10 +382,13 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
         raise ConfigError(f"config.checkpoint.keep={c.keep}: keep at least 1 checkpoint, or resume is impossible")
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "1f1b_fused")
+
+
 def _validate_pipeline(cfg: Config) -> None:
     p, stages = cfg.pipeline, cfg.mesh.pipeline
-    if p.schedule not in ("gpipe", "1f1b"):
-        raise ConfigError(f"config.pipeline.schedule={p.schedule!r}: choose one of ('gpipe', '1f1b')")
+    if p.schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"config.pipeline.schedule={p.schedule!r}: choose one of {PIPELINE_SCHEDULES}")
     if p.microbatches <= 0:
         raise ConfigError(f"config.pipeline.microbatches={p.microbatches}: must be positive")
     if stages == 1 or (stages == -1 and not p.stage_layers):
@@ -411,7 +414,7 @@ def _validate_pipeline(cfg: Config) -> None:
             f"config.model.num_layers={cfg.model.num_layers} does not split evenly into "
             f"config.mesh.pipeline={stages} stages; set config.pipeline.stage_layers (e.g. an "
             f"uneven split adding up to {cfg.model.num_layers}) or change the number of stages")
-    if p.schedule == "1f1b" and p.microbatches < stages:
+    if p.schedule.startswith("1f1b") and p.microbatches < stages:
         raise ConfigError(
             f"config.pipeline.microbatches={p.microbatches} is smaller than the {stages} pipeline "
             f"stages: 1F1B never fills the pipeline; use at least {stages} micro-batches, or "

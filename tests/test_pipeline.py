@@ -54,16 +54,37 @@ def test_every_forward_and_backward_runs_once_in_dependency_order(kind):
                     if s < S - 1:  # the output gradient was sent in an earlier tick
                         assert tick["B", m, s] > tick["B", m, s + 1]
                     assert tick["B", m, s] >= tick["F", m, s]
-            # Bubble of both schedules: (S-1)/(M+S-1) of a stage's time.
-            assert sched.bubble_fraction() == pytest.approx((S - 1) / (M + S - 1))
-            # Stashed inputs: M for GPipe; for 1F1B bounded in S, not M.
-            held = sched.in_flight().max()
-            assert held == (0 if S == 1 else M if kind == "gpipe" else min(M, 2 * S - 3))
+            if kind == "1f1b":
+                # Lockstep ticks last a backward (2) from tick S on, a forward before.
+                bubble = 0.0 if S == 1 else 1 - 3 * M / (4 * M + 3 * S - 4)
+                # Classic order: warm-up forwards, forward/backward pairs, cool-down;
+                # one operation per tick, and stage s holds at most S-s inputs.
+                for s in range(S):
+                    w = min(S - 1 - s, M)
+                    pairs = [op for i in range(M - w) for op in (("F", w + i), ("B", i))]
+                    assert sched.ops(s) == [("F", m) for m in range(w)] + pairs + [
+                        ("B", m) for m in range(M - w, M)]
+                assert not np.any((sched.forward >= 0) & (sched.backward >= 0))
+                assert all(sched.in_flight()[s] <= S - s for s in range(S))
+                held = S - 1
+            else:
+                bubble = (S - 1) / (M + S - 1)
+                held = M if kind == "gpipe" else min(M, 2 * S - 3)  # fused: bounded in S, above S
+            assert sched.bubble_fraction() == pytest.approx(bubble)
+            assert sched.in_flight().max() == (0 if S == 1 else held)  # the first stage re-embeds
             # The per-stage order that islands read matches the tables.
             for s in range(S):
                 ops = sched.ops(s)
                 assert sorted(ops) == sorted([("F", m) for m in range(M)] + [("B", m) for m in range(M)])
                 assert [tick[op, m, s] for op, m in ops] == sorted(tick[op, m, s] for op, m in ops)
+
+
+def test_evaluation_runs_each_microbatch_forward_once_per_stage_in_order():
+    table = pipeline.forward_only(3, 4)
+    assert table.shape == (6, 3)
+    for s in range(3):
+        runs = table[:, s][table[:, s] >= 0]
+        assert runs.tolist() == list(range(4)) and table[s, s] == 0  # stage s starts at tick s
 
 
 def test_the_check_refuses_a_schedule_out_of_order():
@@ -77,7 +98,7 @@ def test_timeline_shows_every_operation(tmp_path):
     sched = pipeline.make_schedule("1f1b", 4, 8)
     text = pipeline.timeline(sched)
     rows = text.splitlines()[2:]
-    assert len(rows) == 4 and "bubble 27.3%" in text
+    assert len(rows) == 4 and "bubble 40.0%" in text  # 1 - 3*8/(4*8+3*4-4)
     for s, row in enumerate(rows):
         for m in range(8):
             assert f"F{m}" in row and f"B{m}" in row
@@ -180,10 +201,10 @@ def _assert_trees_close(got, ref):
 
 
 @pytest.mark.parametrize("mesh_cfg,pipe", [
-    (MeshConfig(pipeline=2, fsdp=2, tensor=2), PipelineConfig("1f1b", 4)),
+    (MeshConfig(pipeline=2, fsdp=2, tensor=2), PipelineConfig("1f1b_fused", 4)),
     (MeshConfig(pipeline=4, data=2, fsdp=1), PipelineConfig("gpipe", 2, (2, 1, 2, 1))),
     (MeshConfig(pipeline=4, fsdp=1, tensor=2), PipelineConfig("1f1b", 4, (1, 2, 2, 1))),
-], ids=["1f1b-pp2-fsdp2-tp2", "gpipe-pp4-dp2-uneven", "1f1b-pp4-tp2-uneven"])
+], ids=["1f1b_fused-pp2-fsdp2-tp2", "gpipe-pp4-dp2-uneven", "1f1b-pp4-tp2-uneven"])
 def test_pipelined_step_equals_the_unpipelined_one(mesh_cfg, pipe, reference):
     ref_grads, ref_losses, ref_params = reference
     cfg = dataclasses.replace(CFG, mesh=mesh_cfg, pipeline=pipe)
@@ -219,6 +240,8 @@ def test_1f1b_memory_does_not_grow_with_microbatches_like_gpipe():
                                       pipeline=PipelineConfig(kind, M), batch_size=2 * M, seq_len=32)
             mesh = make_mesh(cfg.mesh, jax.devices()[:2])
             plan = pipeline.make_plan(cfg, mesh)
+            if kind == "1f1b":
+                assert plan.slots == 1  # the stash: at most S-1 stage inputs, whatever M
             rules = pipeline.rules(cfg, plan)
             tx = make_optimizer(cfg.optim, cfg.steps)
             graphdef, abstract = pipeline.abstract_state(cfg, tx, plan)
@@ -249,6 +272,8 @@ def test_1f1b_memory_does_not_grow_with_microbatches_like_gpipe():
      r"names 3 stages but config.mesh.pipeline=2"),
     (dict(mesh=MeshConfig(pipeline=3), pipeline=PipelineConfig("1f1b", 2)),
      r"microbatches=2 is smaller than the 3 pipeline stages"),
+    (dict(mesh=MeshConfig(pipeline=4, fsdp=1), pipeline=PipelineConfig("1f1b_fused", 3, (1, 2, 2, 1))),
+     r"microbatches=3 is smaller than the 4 pipeline stages"),
     (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("gpipe", 3)),
      r"batch_size=8 is not divisible by config.pipeline.microbatches=3"),
     (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("pipedream")), r"schedule='pipedream'"),

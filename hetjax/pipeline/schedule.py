@@ -8,12 +8,20 @@ single-program SPMD pipeline (hetjax.pipeline.spmd) and, read per stage as an
 ordered list of operations (`Schedule.ops`), stages on different islands.
 
 - gpipe: all forwards, then all backwards. Stage s keeps the inputs of all M
-  micro-batches until their backward.
-- 1f1b: stage s starts micro-batch m's backward as soon as the last stage has
-  run it, so after a warm-up of S-1 ticks each stage runs one forward and one
-  backward per tick. Stage s keeps at most 2(S-1-s)+1 inputs, whatever M.
-
-Both have the same bubble, (S-1)/(M+S-1) of each stage's time.
+  micro-batches until their backward. Bubble (S-1)/(M+S-1).
+- 1f1b: the classic one (PipeDream-flush, Megatron): stage s runs
+  min(S-1-s, M) warm-up forwards, then alternates one forward and one backward,
+  then the remaining backwards; one operation per stage per tick. Stage s keeps
+  at most S-s inputs, whatever M. Forwards run every other tick (m on stage s
+  at tick 2m+s), backwards in the ticks between (2m+2S-1-s), so the inputs
+  arrive just in time and the stash stays S-s. In lockstep ticks each tick lasts
+  a backward once the first one runs: with backward = 2 x forward the bubble is
+  1 - 3M/(4M+3S-4) (on islands, where each stage runs its own `ops` without
+  lockstep, it is the usual (S-1)/(M+S-1)).
+- 1f1b_fused: stage s starts micro-batch m's backward as soon as the last stage
+  has run it, so after a warm-up of S-1 ticks each stage runs one forward and
+  one backward per tick. Bubble (S-1)/(M+S-1), but stage s keeps up to
+  2(S-1-s)+1 inputs (2S-3 > S from S=4): bounded in S, not by it.
 """
 
 from __future__ import annotations
@@ -22,9 +30,8 @@ import dataclasses
 
 import numpy as np
 
+from hetjax.config import PIPELINE_SCHEDULES as KINDS
 from hetjax.config import ConfigError
-
-KINDS = ("gpipe", "1f1b")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -84,22 +91,29 @@ class Schedule:
 
 
 def make_schedule(kind: str, stages: int, microbatches: int) -> Schedule:
-    """The schedule `kind` ("gpipe" | "1f1b") for S stages and M micro-batches."""
+    """The schedule `kind` (one of KINDS) for S stages and M micro-batches."""
     S, M = stages, microbatches
     if kind not in KINDS:
         raise ConfigError(f"config.pipeline.schedule={kind!r}: choose one of {KINDS}")
     if S < 1 or M < 1:
         raise ConfigError(f"a schedule needs stages >= 1 and microbatches >= 1, got {S} and {M}")
-    if kind == "1f1b" and M < S:
+    if kind.startswith("1f1b") and M < S:
         raise ConfigError(
             f"config.pipeline.microbatches={M} is smaller than the {S} pipeline stages: 1F1B "
             f"never fills the pipeline; use at least {S} micro-batches, or schedule='gpipe'")
     m, s = np.meshgrid(np.arange(M), np.arange(S), indexing="ij")  # (M, S)
-    fwd = m + s
-    # The last stage runs a micro-batch's backward in the tick of its forward;
-    # each earlier stage one tick after the stage behind it.
-    start = (M - 1 if kind == "gpipe" else m) + S - 1
-    bwd = (m if kind == "gpipe" else 0) + start + (S - 1 - s)
+    if kind == "1f1b":
+        # Forwards on one parity of ticks, backwards on the other: each stage has
+        # S-s forwards before its first backward (warm-up + the first of the
+        # steady pairs), and every input and gradient is used in the tick after
+        # it is sent.
+        fwd, bwd = 2 * m + s, 2 * m + 2 * S - 1 - s
+    else:
+        fwd = m + s
+        # The last stage runs a micro-batch's backward in the tick of its forward;
+        # each earlier stage one tick after the stage behind it.
+        start = (M - 1 if kind == "gpipe" else m) + S - 1
+        bwd = (m if kind == "gpipe" else 0) + start + (S - 1 - s)
     ticks = int(bwd.max()) + 1
     forward = np.full((ticks, S), -1, np.int32)
     backward = np.full((ticks, S), -1, np.int32)
@@ -108,6 +122,13 @@ def make_schedule(kind: str, stages: int, microbatches: int) -> Schedule:
     schedule = Schedule(kind, S, M, forward, backward)
     check(schedule)
     return schedule
+
+
+def forward_only(stages: int, microbatches: int) -> np.ndarray:
+    """(M+S-1, S) int32: the forward table of evaluation, micro-batch m on stage s
+    at tick m+s (-1 none)."""
+    t, s = np.meshgrid(np.arange(microbatches + stages - 1), np.arange(stages), indexing="ij")
+    return np.where((t - s >= 0) & (t - s < microbatches), t - s, -1).astype(np.int32)
 
 
 def check(schedule: Schedule) -> None:

@@ -7,8 +7,10 @@ by its own index (lax.axis_index), runs at most one forward and one backward
 (lax.switch: idle slots cost nothing), and exchanges activations and their
 gradients with its neighbours (lax.ppermute). A backward recomputes the stage
 from its stashed input (jax.vjp), so a stage holds only the inputs of the
-micro-batches in flight: M for GPipe, at most 2S-3 for 1F1B. Parameter gradients
-accumulate in the scan carry; the optimizer step is the unpipelined one.
+micro-batches in flight (Schedule.in_flight sizes the stash): M for GPipe, at
+most S-1 for 1F1B, 2S-3 for 1F1B fused. A tick lasts as long as the slowest
+stage's branches. Parameter gradients accumulate in the scan carry; the
+optimizer step is the unpipelined one.
 
 The embedding and the loss head are replicated over `pipeline` (still sharded by
 fsdp/tensor): their weights and Adam moments sit on every stage, but only the
@@ -33,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax import sharding, step
 from hetjax.config import ConfigError
-from hetjax.pipeline.schedule import Schedule, make_schedule
+from hetjax.pipeline.schedule import Schedule, forward_only, make_schedule
 from hetjax.pipeline.stages import StageLayout, make_layout, map_blocks, stage_backward, stage_forward
 
 AXIS = "pipeline"
@@ -200,7 +202,7 @@ def make_train_step(graphdef, tx, lr_schedule, mesh: Mesh, rules, plan: Plan):
 def make_eval_step(graphdef, mesh: Mesh, rules, plan: Plan):
     """Forward only: micro-batch m is on stage s at tick m+s; the last stage adds up the loss."""
     S, M = plan.stages, plan.microbatches
-    forward_table = jnp.asarray(plan.schedule.forward[:M + S - 1])
+    forward_table = jnp.asarray(forward_only(S, M))
     gather_free = _gather_free(mesh)
     valid_table = jnp.asarray(plan.layout.valid()) if plan.layout.padded else None
 
