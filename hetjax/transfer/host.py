@@ -96,6 +96,47 @@ def _read_frame(sock, peer: str, idle_ok: bool, timeout_s: float) -> tuple[int, 
     return kind, json.loads(_recv_exact(sock, n, peer))
 
 
+def authenticate(conn, secret: bytes, peer: str) -> bool:
+    """The accepting side of the handshake: True once the peer proved the job's secret
+    (and got our proof back); False, logged, when it did not."""
+    nonce = os.urandom(32)
+    conn.sendall(nonce)
+    answer = _recv_exact(conn, 64, peer)
+    if not hmac.compare_digest(answer[32:], _mac(secret, b"client", nonce)):
+        log.warning("transfer: refused a connection from %s: it did not prove the job's shared secret", peer)
+        return False
+    conn.sendall(_mac(secret, b"server", answer[:32]))
+    return True
+
+
+def connect(address: str, secret: bytes, timeout_s: float) -> socket.socket:
+    """A connection to `address` ("host:port") on which both sides proved the job's
+    secret; retries while the peer starts, TransferTimeout after timeout_s."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    deadline = time.monotonic() + timeout_s
+    while True:  # the peer may still be starting
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"peer {address} did not accept a connection within "
+                                      f"{timeout_s:g} s ({e})") from None
+            time.sleep(0.05)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    nonce = os.urandom(32)
+    challenge = _recv_exact(sock, 32, address)
+    sock.sendall(nonce + _mac(secret, b"client", challenge))
+    try:
+        proof = _recv_exact(sock, 32, address)
+    except PeerLost:
+        raise TransferError(f"peer {address} refused the connection: the shared secrets differ") from None
+    if not hmac.compare_digest(proof, _mac(secret, b"server", nonce)):
+        raise TransferError(f"peer {address} did not prove the job's shared secret; not sending to it")
+    return sock
+
+
 class _Inbox:
     """One posted receive: buffers for the pieces this process expects, and progress."""
 
@@ -221,14 +262,9 @@ class HostEndpoint(Endpoint):
         self._conns.append(conn)
         inbox = None
         try:
-            nonce = os.urandom(32)
-            conn.sendall(nonce)
-            answer = _recv_exact(conn, 64, peer)
-            if not hmac.compare_digest(answer[32:], _mac(self._secret, b"client", nonce)):
+            if not authenticate(conn, self._secret, peer):
                 self.refused += 1
-                log.warning("transfer: refused a connection from %s: it did not prove the job's shared secret", peer)
                 return
-            conn.sendall(_mac(self._secret, b"server", answer[:32]))
             while True:
                 try:
                     kind, meta = _read_frame(conn, peer, idle_ok=True, timeout_s=self.cfg.timeout_s)
@@ -309,29 +345,7 @@ class HostEndpoint(Endpoint):
             return self._pipes[addresses]
 
     def _connect(self, address: str) -> socket.socket:
-        host, _, port = address.rpartition(":")
-        host = host.strip("[]")
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while True:  # the peer may still be starting
-            try:
-                sock = socket.create_connection((host, int(port)), timeout=self.cfg.timeout_s)
-                break
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    raise TransferTimeout(f"peer {address} did not accept a connection within "
-                                          f"{self.cfg.timeout_s:g} s ({e})") from None
-                time.sleep(0.05)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nonce = os.urandom(32)
-        challenge = _recv_exact(sock, 32, address)
-        sock.sendall(nonce + _mac(self._secret, b"client", challenge))
-        try:
-            proof = _recv_exact(sock, 32, address)
-        except PeerLost:
-            raise TransferError(f"peer {address} refused the connection: the shared secrets differ") from None
-        if not hmac.compare_digest(proof, _mac(self._secret, b"server", nonce)):
-            raise TransferError(f"peer {address} did not prove the job's shared secret; not sending to it")
-        return sock
+        return connect(address, self._secret, self.cfg.timeout_s)
 
     def _send_to(self, tag, leaves, plans, addresses, items, handle):
         lock, socks = self._pipe(addresses)

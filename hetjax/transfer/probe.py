@@ -3,17 +3,25 @@
     python -m hetjax.transfer.probe [--mib 64] [--streams 2] [--iters 3] [--backends raw,host,direct]
                                     [--bind 127.0.0.1] [--nic 10.0.0.1,10.0.1.1]
 
-This process receives; it starts the sending process itself (4 virtual devices on
-CPU). `raw` is a plain TCP copy of the same bytes over the same number of streams:
-the ceiling for `host`. Bandwidth: a (MiB) float32 array sharded over the sender's
-devices into the same sharding on the receiver's, timed from "go" to the last byte
-on the receiver's devices. Latency: the same for a 4-byte array.
+Across two machines (both with the same $HETJAX_TRANSFER_SECRET):
+
+    A$ python -m hetjax.transfer.probe --serve --bind 10.0.0.1 --port 5555
+    B$ python -m hetjax.transfer.probe --peer 10.0.0.1:5555 --bind 10.0.0.2 [--mib ...]
+
+The peer (B, or this process when run alone) receives and prints the table; the
+server (A, or a child this process starts on the same machine with 4 virtual CPU
+devices) sends, with the parameters the peer sends it. Both talk over one control
+connection that proves the job's secret like every transfer stream does. `raw` is a
+plain TCP copy of the same bytes over the same number of streams: the ceiling for
+`host`. Bandwidth: a (MiB) float32 array sharded over the server's devices into the
+same sharding on the peer's, timed from "go" to the last byte on the peer's devices.
+Latency: the same for a tiny array.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import socket
 import statistics
@@ -22,129 +30,232 @@ import sys
 import threading
 import time
 
+from hetjax.config import ConfigError
+from hetjax.transfer import host
+from hetjax.transfer.link import TransferError, TransferTimeout
+
 SECRET_ENV = "HETJAX_TRANSFER_SECRET"
+_CONTROL = 9  # frame kind of control messages (host's frames, a kind of its own)
 
 
-def _array(nbytes, devices):
+class Control:
+    """The probe's control channel: JSON messages both ways on an authenticated socket;
+    a peer silent for timeout_s raises TransferTimeout naming it."""
+
+    def __init__(self, sock: socket.socket, peer: str, timeout_s: float):
+        sock.settimeout(timeout_s)
+        self.sock, self.peer, self.timeout_s = sock, peer, timeout_s
+
+    def send(self, **msg) -> None:
+        host._send_frame(self.sock, _CONTROL, msg, self.peer)
+
+    def recv(self) -> dict:
+        try:
+            kind, msg = host._read_frame(self.sock, self.peer, idle_ok=False, timeout_s=self.timeout_s)
+        except TransferTimeout as e:
+            raise TransferTimeout(f"probe: {self.peer} sent nothing for {self.timeout_s:g} s (--timeout): {e}") from None
+        if kind != _CONTROL:
+            raise TransferError(f"probe: {self.peer} sent a frame of kind {kind}, not a probe control message")
+        return msg
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _address(host_: str, port: int) -> str:
+    return f"[{host_}]:{port}" if ":" in host_ else f"{host_}:{port}"
+
+
+def _array(nbytes, devices, multiple):
+    """The probe array for `nbytes`, sharded over `devices`; rows a multiple of
+    `multiple` (both sides' device counts) so both sides agree on its shape."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    rows = max(len(devices), nbytes // 4 // 1024 // len(devices) * len(devices))
+    cols = 1024 if nbytes >= 4096 * multiple else 1
+    rows = max(multiple, nbytes // 4 // cols // multiple * multiple)
     sh = NamedSharding(Mesh(np.array(devices), ("x",)), P("x"))
-    return jax.ShapeDtypeStruct((rows, 1024 if nbytes >= 4096 * len(devices) else 1), jnp.float32, sharding=sh)
+    return jax.ShapeDtypeStruct((rows, cols), jnp.float32, sharding=sh)
 
 
-def _child(args):
-    """The sending process: one line of addresses out, then one transfer per "go"."""
+def _layout(n):
+    from hetjax.transfer.plan import Layout
+    return Layout((n,), ("x",), (0,) * n, ("x",))
+
+
+def _link(args, backend, streams):
+    from hetjax.transfer import LinkConfig
+    nic = tuple(a for a in args.nic.split(",") if a)
+    return LinkConfig(backend=backend, streams=streams, bind_address=args.bind, nic_addresses=nic,
+                      timeout_s=args.timeout)
+
+
+# -- the sending side ------------------------------------------------------------------
+
+
+def serve(args) -> None:
+    """Waits (without limit) for one peer that proves the secret, then sends for each
+    backend it asks; from then on a silent peer raises TransferTimeout."""
+    secret = _link(args, "host", 1).secret()
+    listener = socket.create_server((args.bind, args.port))
+    print(f"hetjax probe: waiting for a peer on {_address(args.bind, listener.getsockname()[1])}", flush=True)
+    while True:  # a refused or silent caller does not end the wait
+        conn, addr = listener.accept()
+        peer = _address(addr[0], addr[1])
+        conn.settimeout(args.timeout)
+        try:
+            if host.authenticate(conn, secret, peer):
+                break
+        except (TransferError, OSError) as e:
+            print(f"hetjax probe: dropped {peer}: {e}", file=sys.stderr, flush=True)
+        conn.close()
+    listener.close()
+    ctl = Control(conn, peer, args.timeout)
+    import jax
+    params = ctl.recv()
+    ctl.send(devices=len(jax.devices()))
+    while "backend" in (msg := ctl.recv()):
+        _send_backend(ctl, msg, params, args)
+    ctl.close()
+
+
+def _send_backend(ctl: Control, msg: dict, params: dict, args) -> None:
+    """One backend: our addresses out, then one transfer per "go" until "done"."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from hetjax.transfer import open_endpoint
-    from hetjax.transfer.plan import Layout
-    cfg = _link(args, args.backend if args.backend != "raw" else "host")
-    sizes = {"bw": args.mib << 20, "lat": 4}
+    backend, streams, n_dst = msg["backend"], params["streams"], params["dst_devices"]
+    multiple = math.lcm(len(jax.devices()), n_dst)
+    sizes = {"bw": params["mib"] << 20, "lat": 4}
     arrays = {k: jax.jit(lambda s=s: jnp.ones(s.shape, s.dtype), out_shardings=s.sharding)()
-              for k, s in ((k, _array(n, jax.devices())) for k, n in sizes.items())}
-    if args.backend == "raw":
-        print(json.dumps([]), flush=True)
-        peer = json.loads(sys.stdin.readline())
-        host, port = peer[0].rsplit(":", 1)
-        socks = [socket.create_connection((host, int(port))) for _ in range(args.streams)]
+              for k, s in ((k, _array(n, jax.devices(), multiple)) for k, n in sizes.items())}
+    peer_addresses = tuple(msg["addresses"])
+    if backend == "raw":
+        ctl.send(addresses=[])
         payload = {k: np.asarray(v).reshape(-1).view(np.uint8) for k, v in arrays.items()}
-        while (line := sys.stdin.readline().strip()) not in ("", "exit"):
-            data = payload[line.split()[0]]
-            parts = np.array_split(data, len(socks))
+        secret, socks = _link(args, "host", streams).secret(), []
+        while "go" in (msg := ctl.recv()):
+            if not socks:  # here, not earlier: the peer accepts once it has sent "go"
+                socks = [host.connect(peer_addresses[0], secret, args.timeout) for _ in range(streams)]
+            parts = np.array_split(payload[msg["go"]], len(socks))
             threads = [threading.Thread(target=s.sendall, args=(memoryview(p),)) for s, p in zip(socks, parts)]
             [t.start() for t in threads]
             [t.join() for t in threads]
-        os._exit(0)
-    ep = open_endpoint(cfg)
-    print(json.dumps(ep.addresses), flush=True)
-    peer = json.loads(sys.stdin.readline())
-    while (line := sys.stdin.readline().strip()) not in ("", "exit"):
-        kind, tag = line.split()
-        x = arrays[kind]
-        dst = Layout((args.dst_devices,), ("x",), (0,) * args.dst_devices, ("x",))
-        ep.send(x, tag, dst, peers={0: tuple(peer)}).wait()
-    os._exit(0)
+            ctl.send(sent=msg["go"])
+        [s.close() for s in socks]
+        return
+    ep = open_endpoint(_link(args, backend, streams))
+    try:
+        ctl.send(addresses=list(ep.addresses))
+        while "go" in (msg := ctl.recv()):
+            ep.send(arrays[msg["go"]], msg["tag"], _layout(n_dst), peers={0: peer_addresses}).wait()
+            ctl.send(sent=msg["tag"])  # after the receiver's acknowledgements
+    finally:
+        ep.close()
 
 
-def _link(args, backend):
-    from hetjax.transfer import LinkConfig
-    nic = tuple(a for a in args.nic.split(",") if a)
-    return LinkConfig(backend=backend, streams=args.streams, bind_address=args.bind, nic_addresses=nic,
-                      timeout_s=args.timeout)
+# -- the receiving side ----------------------------------------------------------------
 
 
-def _raw_receive(listener, streams, nbytes, conns):
+def _raw_receive(listener, streams, nbytes, conns, secret, timeout_s):
     import numpy as np
     from hetjax.transfer.core import aligned_empty
     while len(conns) < streams:
-        conns.append(listener.accept()[0])
+        conn, addr = listener.accept()
+        conn.settimeout(timeout_s)
+        if not host.authenticate(conn, secret, _address(*addr[:2])):
+            raise TransferError(f"probe: raw stream from {_address(*addr[:2])} did not prove the job's secret")
+        conns.append(conn)
     buf = aligned_empty((nbytes,), np.uint8)  # fresh memory each time, as a receiver's would be
     parts = np.array_split(buf, streams)
-
-    def fill(sock, part):
-        view = memoryview(part)
-        while len(view):
-            view = view[sock.recv_into(view):]
-
-    threads = [threading.Thread(target=fill, args=(c, p)) for c, p in zip(conns, parts)]
+    threads = [threading.Thread(target=host._recv_into, args=(c, memoryview(p), f"raw stream {i} of the server"))
+               for i, (c, p) in enumerate(zip(conns, parts))]
     [t.start() for t in threads]
     [t.join() for t in threads]
     return buf
 
 
-def measure(backend: str, args) -> dict:
+def measure(ctl: Control, backend: str, args, n_src: int) -> dict:
     """{'gbps': bytes/s / 1e9 (median), 'latency_ms': median} for one backend."""
     import jax
     from hetjax.transfer import open_endpoint
-    from hetjax.transfer.plan import Layout
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, "-m", "hetjax.transfer.probe", "--child", "--backend", backend,
-           "--mib", str(args.mib), "--streams", str(args.streams), "--bind", args.bind, "--nic", args.nic,
-           "--timeout", str(args.timeout), "--dst-devices", str(args.dst_devices)]
-    child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    child_addresses = tuple(json.loads(child.stdout.readline()))
     devices = jax.devices()[:args.dst_devices]
-    likes = {"bw": _array(args.mib << 20, devices), "lat": _array(4, devices)}
+    multiple = math.lcm(n_src, len(devices))
+    likes = {"bw": _array(args.mib << 20, devices, multiple), "lat": _array(4, devices, multiple)}
     nbytes = {k: like.size * 4 for k, like in likes.items()}
     times = {"bw": [], "lat": []}
-    try:
-        if backend == "raw":
-            listener = socket.create_server((args.bind, 0))
-            child.stdin.write(json.dumps([f"{args.bind}:{listener.getsockname()[1]}"]) + "\n")
-            child.stdin.flush()
-            conns = []
-            for k in ["bw"] * (args.iters + 1) + ["lat"] * (args.iters + 1):
+    order = ["bw"] * (args.iters + 1) + ["lat"] * (args.iters + 1)
+    if backend == "raw":
+        secret = _link(args, "host", 1).secret()
+        listener = socket.create_server((args.bind, 0))
+        listener.settimeout(args.timeout)
+        ctl.send(backend=backend, addresses=[_address(args.bind, listener.getsockname()[1])])
+        ctl.recv()
+        conns = []
+        try:
+            for k in order:
                 start = time.perf_counter()
-                child.stdin.write(f"{k}\n")
-                child.stdin.flush()
-                buf = _raw_receive(listener, args.streams, nbytes[k], conns)
+                ctl.send(go=k)
+                buf = _raw_receive(listener, args.streams, nbytes[k], conns, secret, args.timeout)
                 jax.device_put(buf, devices[0]).block_until_ready()  # the same landing as `host` gets
                 times[k].append(time.perf_counter() - start)
-        else:
-            ep = open_endpoint(_link(args, backend))
-            child.stdin.write(json.dumps(ep.addresses) + "\n")
-            child.stdin.flush()
-            src = Layout((4,), ("x",), (0,) * 4, ("x",))
-            for i, k in enumerate(["bw"] * (args.iters + 1) + ["lat"] * (args.iters + 1)):
-                h = ep.recv(f"{k}{i}", likes[k], src, peers={0: child_addresses})
+                ctl.recv()
+            ctl.send(done=True)
+        except socket.timeout:
+            raise TransferTimeout(f"probe: the server at {ctl.peer} opened no raw stream within {args.timeout:g} s") from None
+        finally:
+            [c.close() for c in conns]
+            listener.close()
+    else:
+        ep = open_endpoint(_link(args, backend, args.streams))
+        try:
+            ctl.send(backend=backend, addresses=list(ep.addresses))
+            server_addresses = tuple(ctl.recv()["addresses"])
+            for i, k in enumerate(order):
+                h = ep.recv(f"{k}{i}", likes[k], _layout(n_src), peers={0: server_addresses})
                 start = time.perf_counter()
-                child.stdin.write(f"{k} {k}{i}\n")
-                child.stdin.flush()
+                ctl.send(go=k, tag=f"{k}{i}")
                 h.wait().block_until_ready()
                 times[k].append(time.perf_counter() - start)
-    finally:
-        child.stdin.write("exit\n")
-        child.stdin.close()
-        child.wait(timeout=60)
-        if backend != "raw":
-            ep.close()  # after the sender had its acknowledgements
+                ctl.recv()  # the sender had its acknowledgements
+            ctl.send(done=True)
+        finally:
+            ep.close()
     bw = statistics.median(times["bw"][1:])  # the first of each is a warm-up
     return {"backend": backend, "streams": args.streams, "mib": nbytes["bw"] / 2**20,
             "gbps": nbytes["bw"] / bw / 1e9, "latency_ms": statistics.median(times["lat"][1:]) * 1e3}
+
+
+def probe(address: str, args) -> list[dict]:
+    """Connects to the server at `address` and measures each of args.backends."""
+    secret = _link(args, "host", 1).secret()
+    ctl = Control(host.connect(address, secret, args.timeout), address, args.timeout)
+    try:
+        import jax
+        n_dst = min(args.dst_devices, len(jax.devices()))
+        args = argparse.Namespace(**dict(vars(args), dst_devices=n_dst))
+        ctl.send(mib=args.mib, streams=args.streams, iters=args.iters, dst_devices=n_dst)
+        n_src = ctl.recv()["devices"]
+        rows = [measure(ctl, b, args, n_src) for b in args.backends.split(",")]
+        ctl.send(finished=True)
+        return rows
+    finally:
+        ctl.close()
+
+
+def _local_server(args) -> tuple[subprocess.Popen, str]:
+    """A `--serve` child on this machine (4 virtual CPU devices) and its address."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "hetjax.transfer.probe", "--serve", "--bind", args.bind, "--port", "0",
+           "--nic", args.nic, "--timeout", str(args.timeout)]
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    line = child.stdout.readline()
+    if " on " not in line:
+        child.wait(timeout=args.timeout)
+        raise TransferError(f"probe: the local server exited ({child.returncode}) before listening; see its stderr")
+    return child, line.rsplit(" on ", 1)[1].strip()
 
 
 def parser():
@@ -153,22 +264,35 @@ def parser():
     p.add_argument("--streams", type=int, default=2)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--backends", default="raw,host,direct")
-    p.add_argument("--bind", default="127.0.0.1")
-    p.add_argument("--nic", default="")
-    p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("--dst-devices", type=int, default=4)
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--backend", default="host", help=argparse.SUPPRESS)
+    p.add_argument("--bind", default="127.0.0.1", help="this side's address (control, raw and data endpoints)")
+    p.add_argument("--nic", default="", help="this side's NIC addresses for the data endpoints, comma-separated")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a silent peer is waited for")
+    p.add_argument("--dst-devices", type=int, default=4, help="the peer's devices the arrays land on")
+    p.add_argument("--serve", action="store_true", help="send, for the one peer that connects")
+    p.add_argument("--port", type=int, default=0, help="--serve: the control port (0: any free one)")
+    p.add_argument("--peer", default="", help="receive from the server at HOST:PORT")
     return p
 
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    if args.child:
-        return _child(args)
-    os.environ.setdefault(SECRET_ENV, os.urandom(16).hex())  # both processes share it
+    for field in ("mib", "iters", "streams", "dst_devices"):
+        if getattr(args, field) < 1:
+            raise ConfigError(f"--{field.replace('_', '-')}={getattr(args, field)}: must be at least 1")
+    if args.serve:
+        return serve(args)
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.dst_devices}")
-    rows = [measure(b, args) for b in args.backends.split(",")]
+    if args.peer:
+        rows = probe(args.peer, args)
+    else:
+        os.environ.setdefault(SECRET_ENV, os.urandom(16).hex())  # the child inherits it
+        child, address = _local_server(args)
+        try:
+            rows = probe(address, args)
+            child.wait(timeout=args.timeout)
+        finally:
+            if child.poll() is None:
+                child.kill()
     print(f"{'backend':8} {'streams':>7} {'MiB':>6} {'GB/s':>7} {'latency ms':>10}")
     for r in rows:
         print(f"{r['backend']:8} {r['streams']:7d} {r['mib']:6.0f} {r['gbps']:7.2f} {r['latency_ms']:10.2f}")
