@@ -200,6 +200,17 @@ def _assert_trees_close(got, ref):
         np.testing.assert_allclose(g / scale, r / scale, atol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
+def _assert_params_close(got, ref, lr):
+    """Weights after a few Adam steps. Adam divides each gradient by its own running
+    magnitude, so an element whose gradient is ~0 turns float noise (1e-7 relative)
+    into an update anywhere within +-lr: bound every element by a tenth of lr, and
+    the mean difference tightly, which a wrong stage or layer would break."""
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref)):
+        diff = np.abs(np.asarray(g) - np.asarray(r))
+        assert diff.max() <= 0.1 * lr, (jax.tree_util.keystr(path), diff.max())
+        assert diff.mean() <= 1e-6 * max(np.max(np.abs(r)), 1e-3), (jax.tree_util.keystr(path), diff.mean())
+
+
 @pytest.mark.parametrize("mesh_cfg,pipe", [
     (MeshConfig(pipeline=2, fsdp=2, tensor=2), PipelineConfig("1f1b_fused", 4)),
     (MeshConfig(pipeline=4, data=2, fsdp=1), PipelineConfig("gpipe", 2, (2, 1, 2, 1))),
@@ -213,7 +224,7 @@ def test_pipelined_step_equals_the_unpipelined_one(mesh_cfg, pipe, reference):
     layout = plan.layout
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     _assert_trees_close(pipeline.from_stages(grads, layout), ref_grads)
-    _assert_trees_close(pipeline.from_stages(state.params, layout), ref_params)  # three steps later
+    _assert_params_close(pipeline.from_stages(state.params, layout), ref_params, CFG.optim.learning_rate)
     assert losses[-1] < losses[0]
     if layout.padded:
         # Padding layers: zero gradient, and weights and Adam moments still exactly zero.
