@@ -1,6 +1,8 @@
 """Trains a model: `python -m hetjax.train --config configs/tiny.py [--config.KEY=VALUE ...]`.
 
-With `--compile_only`, lowers and compiles the step on the configured mesh with
+Restarted with the same run directory, it resumes from the newest good checkpoint
+(model, optimizer and data iterator); SIGTERM saves one and exits with 143. With
+`--compile_only`, it lowers and compiles the step on the configured mesh with
 abstract inputs and prints the compiler's memory and FLOP figures instead.
 """
 
