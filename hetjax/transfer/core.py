@@ -42,6 +42,14 @@ class Handle:
                     f"the peer stopped answering or never sent")
 
 
+def check_peers(peers, processes, what: str, role: str) -> None:
+    """Refuses a transfer before it starts when a process it talks to has no address."""
+    for p in processes:
+        if not peers or not peers.get(p):
+            raise TransferError(f"{what}: no address for {role} process {p}; pass "
+                                f"peers={{{p}: endpoint.addresses of that process}}")
+
+
 def run_async(fn, *args) -> futures.Future:
     """Runs fn in a daemon thread (never blocks interpreter exit on a dead peer)."""
     future: futures.Future = futures.Future()

@@ -29,7 +29,7 @@ from jax.sharding import SingleDeviceSharding
 
 from hetjax.transfer import core
 from hetjax.transfer.api import Endpoint
-from hetjax.transfer.link import TransferError, TransferTimeout
+from hetjax.transfer.link import TransferTimeout
 
 
 class DirectEndpoint(Endpoint):
@@ -72,10 +72,7 @@ class DirectEndpoint(Endpoint):
                 shape = tuple(hi - lo for lo, hi in piece.region)
                 sds = jax.ShapeDtypeStruct(shape, aval.dtype, sharding=SingleDeviceSharding(receivers[piece.dst]))
                 wanted.setdefault(piece.src_process, []).append((i, piece, sds))
-        for p in wanted:
-            if not peers or not peers.get(p):
-                raise TransferError(f"recv {tag!r}: no address for source process {p}; pass "
-                                    f"peers={{{p}: endpoint.addresses of that process}}")
+        core.check_peers(peers, wanted, f"recv {tag!r}", "source")
         handle = core.Handle(None, f"recv {tag!r}")
         handle._future = core.run_async(self._receive, tag, expect, src_layouts, wanted, peers, handle)
         return handle

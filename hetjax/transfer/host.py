@@ -328,10 +328,7 @@ class HostEndpoint(Endpoint):
             for j, piece in enumerate(plan.pieces):
                 if piece.src_process == self.process:
                     work.setdefault(piece.dst_process, []).append((i, j, piece))
-        for q in work:
-            if not peers or not peers.get(q):
-                raise TransferError(f"send {tag!r}: no address for destination process {q}; pass "
-                                    f"peers={{{q}: endpoint.addresses of that process}}")
+        core.check_peers(peers, work, f"send {tag!r}", "destination")
         handle = core.Handle(None, f"send {tag!r}")
         jobs = [core.run_async(self._send_to, tag, leaves, plans, tuple(peers[q]), items, handle)
                 for q, items in sorted(work.items())]
