@@ -25,20 +25,18 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_policy
 
+from hetjax.compile import aot
 from hetjax.config import CheckpointConfig, ConfigError
 from hetjax.state import TrainState
 
-ITEMS = ("params", "opt_state", "data", "config", "meta")
 CORRUPT_DIR = "corrupt"  # sibling of the checkpoint directory: damaged steps go here
 
 
@@ -136,10 +134,6 @@ def _handlers() -> dict:
     # Named up front so that a fresh process can read metadata before any restore.
     return {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
             **{k: ocp.JsonCheckpointHandler() for k in ("data", "config", "meta")}}
-
-
-def _abstract(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 class Manager:
@@ -260,8 +254,8 @@ class Manager:
         check_shapes(self._item_metadata(step, "params", where), abstract_state.params, where, config)
         try:
             arrays = self._manager.restore(step, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(_abstract(abstract_state.params, shardings.params)),
-                opt_state=ocp.args.StandardRestore(_abstract(abstract_state.opt_state, shardings.opt_state)),
+                params=ocp.args.StandardRestore(aot.abstract(abstract_state.params, shardings.params)),
+                opt_state=ocp.args.StandardRestore(aot.abstract(abstract_state.opt_state, shardings.opt_state)),
             ))
         except Exception as e:
             raise CorruptCheckpoint(f"{where} is unreadable ({type(e).__name__}: {e})") from e
@@ -355,7 +349,7 @@ def load_params(path: str | Path, abstract_params, param_shardings, log=print):
             meta = manager.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
             check_shapes(manager.item_metadata(s)["params"], abstract_params, where)
             params = manager.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(
-                _abstract(abstract_params, param_shardings)))).params
+                aot.abstract(abstract_params, param_shardings)))).params
             verify({k.removeprefix("params/"): v for k, v in meta.get("checksums", {}).items()
                     if k.startswith("params/")}, params, where)
         except ConfigError:
@@ -374,14 +368,6 @@ def fresh_state(params, tx, shardings: TrainState) -> TrainState:
     def init(params):
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
     return jax.jit(init, out_shardings=shardings)(params)
-
-
-def data_state_json(state: dict) -> dict[str, Any]:
-    """Checks that a data iterator's state is JSON (the checkpoint stores it as such)."""
-    try:
-        return json.loads(json.dumps(state))
-    except TypeError as e:
-        raise CheckpointError(f"the data iterator's state must be JSON-serialisable: {e}") from e
 
 
 def default_dir(cfg) -> Path:
