@@ -10,11 +10,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hetjax import sharding
 from hetjax.compile import aot
+from hetjax.data import packing
 from hetjax.optim import learning_rate_schedule
 from hetjax.state import TrainState
 
 BATCH_AXES = ("batch", "length")
-BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+BATCH_KEYS = packing.KEYS  # what the data pipeline makes is what the step reads
 
 
 def batch_shardings(mesh: Mesh, rules) -> dict[str, NamedSharding]:
