@@ -19,8 +19,7 @@ import numpy as np
 
 from hetjax import checkpoint
 from hetjax import config as config_lib
-from hetjax import data, memory, metrics, optim, pipeline, sharding, step
-from hetjax import state as state_lib
+from hetjax import data, memory, metrics, pipeline, sharding
 from hetjax.compile import aot, backend
 from hetjax.mesh import describe, make_mesh
 
@@ -43,12 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # Everything below up to create_state is abstract: no parameter is allocated.
     mesh = make_mesh(cfg.mesh)
-    plan = pipeline.make_plan(cfg, mesh)  # None unless config.mesh.pipeline > 1
-    rules = pipeline.rules(cfg, plan)
-    tx = optim.make_optimizer(cfg.optim, cfg.steps)
-    sharding.check_divisible(pipeline.dims(cfg, plan), rules, mesh)
-    graphdef, abstract_state = pipeline.abstract_state(cfg, tx, plan)
-    layouts = sharding.param_layouts(abstract_state.params, mesh, rules)
+    prog = aot.program(cfg, mesh)  # checks that the model splits over the mesh
+    plan, tx, graphdef, abstract_state = prog.plan, prog.tx, prog.graphdef, prog.state
+    layouts, state_shardings, batch_shardings = prog.layouts, prog.state_shardings, prog.batch_shardings
     replicated = sharding.check_replication(layouts, mesh, cfg.sharding.max_replicated_fraction)
     num_params = sum(math.prod(l.shape) for l in layouts)
     estimate = memory.estimate(cfg, layouts, mesh)
@@ -60,8 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.compile_only:
         memory.check_fits(cfg, estimate, mesh)
 
-    state_shardings = state_lib.state_shardings(abstract_state, mesh, rules)
-    batch_shardings = step.batch_shardings(mesh, rules)
     t0 = time.perf_counter()
     train_step = pipeline.compile_train_step(cfg, graphdef, tx, abstract_state, state_shardings, mesh, plan)
     print(f"compiled the train step in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -131,11 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         writer.write(s, {"eval_loss": loss}, echo=True)
         clock = time.perf_counter()  # eval time is not step time
 
-    def save(s):
+    def flush():
+        # Report the step whose metrics are still on the device.
         nonlocal previous
-        if previous is not None:  # every step before a checkpoint is in metrics.jsonl
+        if previous is not None:
             report(*previous)
             previous = None
+
+    def save(s):
+        flush()  # every step before a checkpoint is in metrics.jsonl
         ckpt.save(s, state, batches.get_state(), config_lib.to_dict(cfg))
 
     preempted = []
@@ -146,12 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             state, step_metrics = train_step(state, next(batches))
             # Read the previous step's metrics only now, so the device is never idle
             # waiting for the host.
-            if previous is not None:
-                report(*previous)
+            flush()
             previous = (s, step_metrics)
             if cfg.eval_every and (s + 1) % cfg.eval_every == 0:
-                report(*previous)
-                previous = None
+                flush()
                 evaluate(s)
             if preempted or ckpt.should_save(s + 1):
                 save(s + 1)
@@ -159,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 ckpt.wait()
                 print(f"preempted (SIGTERM): saved step {s + 1} in {ckpt.directory}", flush=True)
                 return PREEMPTED
-        if previous is not None:
-            report(*previous)
-            previous = None
+        flush()
         if cfg.eval_every and cfg.steps % cfg.eval_every and start < cfg.steps:
             evaluate(cfg.steps - 1)
         if cfg.steps not in ckpt.steps():
