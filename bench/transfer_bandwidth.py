@@ -12,9 +12,7 @@ from hetjax.transfer import probe
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = probe.parser().parse_args(["--mib", "256", "--backends", "raw,host,direct"] + argv)
-    rows = {r["backend"]: r for r in probe.main(["--mib", str(args.mib), "--streams", str(args.streams),
-                                                 "--iters", str(args.iters), "--backends", args.backends])}
+    rows = {r["backend"]: r for r in probe.main(["--mib", "256", "--backends", "raw,host,direct"] + argv)}
     if "direct" in rows:
         print(f"direct / raw: {rows['direct']['gbps'] / rows['raw']['gbps']:.3f}")
     print(f"host / raw: {rows['host']['gbps'] / rows['raw']['gbps']:.3f}")

@@ -16,11 +16,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hetjax.transfer import Layout, LinkConfig, TransferTimeout, open_endpoint
-from tests.transfer_peer import case_array
+from tests.transfer_peer import BITS, case_array
 
 PEER = Path(__file__).with_name("transfer_peer.py")
 SECRET = "two-process-secret-0123456789"
-BITS = {"float32": np.uint32, "bfloat16": np.uint16, "int32": np.uint32}
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +40,7 @@ def random_cases(seed, n):
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        mesh, axes = [(4,), (2, 2), (1, 4)][rng.integers(3)], None
+        mesh = [(4,), (2, 2), (1, 4)][rng.integers(3)]
         axes = ("a", "b")[:len(mesh)]
         spec = [[None, "a"][rng.integers(2)], [None, axes[-1]][rng.integers(2)] if len(axes) > 1 else None]
         dst_mesh = [(8,), (2, 4), (4, 2)][rng.integers(3)]

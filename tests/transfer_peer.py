@@ -21,10 +21,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from hetjax.transfer import Layout, LinkConfig, open_endpoint  # noqa: E402
 
+BITS = {"float32": np.uint32, "bfloat16": np.uint16, "int32": np.uint32}  # each case dtype's bits
+
 
 def case_array(case):
     """The same random bits the test computes from the case."""
-    bits = {"float32": np.uint32, "bfloat16": np.uint16, "int32": np.uint32}[case["dtype"]]
+    bits = BITS[case["dtype"]]
     values = np.random.default_rng(case["seed"]).integers(0, 2**31, size=case["shape"]).astype(bits)
     return values.view(jax.numpy.dtype(case["dtype"]))
 

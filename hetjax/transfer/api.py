@@ -56,7 +56,7 @@ class Endpoint:
     def prepare_send(self, tree, tag: str, dst):
         """(leaves, plans, dst layouts) with every user mistake raised up front."""
         _check_tag(tag)
-        leaves, treedef = jax.tree.flatten(tree)
+        leaves = jax.tree.leaves(tree)
         for i, x in enumerate(leaves):
             if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding):
                 raise TransferError(

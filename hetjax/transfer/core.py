@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetjax.transfer.link import TransferError, TransferTimeout
-from hetjax.transfer.plan import Layout, Plan, Region, make_plan
+from hetjax.transfer.plan import Layout, Plan, Region, extent, make_plan
 
 
 class Handle:
@@ -130,11 +130,11 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     return raw[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
-def block_from_device_pieces(plan: Plan, group, pieces: list[tuple[object, jax.Array]], dtype) -> jax.Array:
+def block_from_device_pieces(group, pieces: list[tuple[object, jax.Array]], dtype) -> jax.Array:
     """Puts a group's pieces (arrays on the receiver device) together on that device."""
     if len(pieces) == 1 and pieces[0][0].region == group.region:
         return pieces[0][1]
-    shape = tuple(hi - lo for lo, hi in group.region)
+    shape = extent(group.region)
     device = next(iter(pieces[0][1].devices()))
     block = jax.device_put(jnp.zeros(shape, _uint(dtype) if dtype != jnp.bool_ else dtype), device)
     for piece, data in pieces:
@@ -143,10 +143,10 @@ def block_from_device_pieces(plan: Plan, group, pieces: list[tuple[object, jax.A
     return jax.lax.bitcast_convert_type(block, dtype)
 
 
-def block_from_host_pieces(plan: Plan, group, pieces: list[tuple[object, np.ndarray]], dtype) -> np.ndarray:
+def block_from_host_pieces(group, pieces: list[tuple[object, np.ndarray]], dtype) -> np.ndarray:
     if len(pieces) == 1 and pieces[0][0].region == group.region:
         return pieces[0][1]
-    block = aligned_empty(tuple(hi - lo for lo, hi in group.region), dtype)
+    block = aligned_empty(extent(group.region), dtype)
     for piece, data in pieces:
         block[local_slices(piece.region, group.region)] = data
     return block
@@ -171,7 +171,7 @@ def build(aval, plan: Plan, dst: Layout, process: int, blocks: dict[int, object]
         elif not spans and gi in on_receiver:  # the copy stays inside this process
             shards.append(jax.device_put(on_receiver[gi], device))
         else:  # filled in by the collective below
-            shape = tuple(hi - lo for lo, hi in group.region)
+            shape = extent(group.region)
             shards.append(jax.device_put(jnp.zeros(shape, aval.dtype), device))
     out = jax.make_array_from_single_device_arrays(tuple(aval.shape), sharding, shards)
     return fan_out(out) if spans else out

@@ -29,17 +29,18 @@ from jax.sharding import SingleDeviceSharding
 
 from hetjax.transfer import core
 from hetjax.transfer.api import Endpoint
-from hetjax.transfer.link import TransferTimeout
+from hetjax.transfer.link import TransferTimeout, address
+from hetjax.transfer.plan import extent
 
 
 class DirectEndpoint(Endpoint):
     def __init__(self, cfg, process_index=None):
         super().__init__(cfg, process_index)
         self._secret = cfg.secret()
-        hosts = [f"[{h}]" if ":" in h else h for h in cfg.listen_addresses]
+        hosts = cfg.listen_addresses
         client = jax.local_devices()[0].client
         self._server = jax_transfer.start_transfer_server(
-            client, f"{hosts[0]}:{cfg.port}", [f"{h}:0" for h in hosts])
+            client, address(hosts[0], cfg.port), [address(h, 0) for h in hosts])
         self.addresses = (self._server.address(),)
         self._conns: dict[str, object] = {}
         self._lock = threading.Lock()
@@ -69,7 +70,7 @@ class DirectEndpoint(Endpoint):
         for i, (aval, plan) in enumerate(zip(expect.avals, expect.plans)):
             receivers = list(aval.sharding.mesh.devices.flat)
             for piece in plan.received_by(self.process):
-                shape = tuple(hi - lo for lo, hi in piece.region)
+                shape = extent(piece.region)
                 sds = jax.ShapeDtypeStruct(shape, aval.dtype, sharding=SingleDeviceSharding(receivers[piece.dst]))
                 wanted.setdefault(piece.src_process, []).append((i, piece, sds))
         core.check_peers(peers, wanted, f"recv {tag!r}", "source")
@@ -103,6 +104,6 @@ class DirectEndpoint(Endpoint):
                 handle.wire_bytes += piece.nbytes
         out = []
         for aval, plan, dst, groups in zip(expect.avals, expect.plans, expect.dst, by_leaf):
-            blocks = {gi: core.block_from_device_pieces(plan, plan.groups[gi], ps, aval.dtype) for gi, ps in groups.items()}
+            blocks = {gi: core.block_from_device_pieces(plan.groups[gi], ps, aval.dtype) for gi, ps in groups.items()}
             out.append(core.build(aval, plan, dst, self.process, blocks))
         return jax.tree.unflatten(expect.treedef, out)

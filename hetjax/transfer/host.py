@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax.transfer import core
+from hetjax.transfer import core, link
 from hetjax.transfer.api import Endpoint, check_leaf
 from hetjax.transfer.link import TransferError, TransferTimeout
-from hetjax.transfer.plan import split
+from hetjax.transfer.plan import extent, split
 
 log = logging.getLogger("hetjax.transfer")
 
@@ -70,14 +70,18 @@ def _recv_exact(sock, n: int, peer: str) -> bytes:
     return bytes(buf)
 
 
-def _send_frame(sock, kind: int, meta: dict, peer: str) -> None:
-    head = json.dumps(meta).encode()
+def _sendall(sock, data, peer: str) -> None:
     try:
-        sock.sendall(_FRAME.pack(_MAGIC, kind, len(head)) + head)
+        sock.sendall(data)
     except socket.timeout:
         raise TransferTimeout(f"peer {peer} stopped reading (LinkConfig.timeout_s)") from None
     except OSError as e:
         raise PeerLost(f"peer {peer}: connection lost ({e})") from None
+
+
+def _send_frame(sock, kind: int, meta: dict, peer: str) -> None:
+    head = json.dumps(meta).encode()
+    _sendall(sock, _FRAME.pack(_MAGIC, kind, len(head)) + head, peer)
 
 
 def _read_frame(sock, peer: str, idle_ok: bool, timeout_s: float) -> tuple[int, dict]:
@@ -150,7 +154,7 @@ class _Inbox:
             self.blocks.append({})
             for j, piece in enumerate(plan.pieces):
                 if piece.dst_process == endpoint.process:
-                    shape = tuple(hi - lo for lo, hi in piece.region)
+                    shape = extent(piece.region)
                     self.buffers[i, j] = core.aligned_empty(shape, aval.dtype)
                     self.left[i, j] = piece.nbytes
                     self.group_left[i, piece.group] = self.group_left.get((i, piece.group), 0) + 1
@@ -172,7 +176,7 @@ class _Inbox:
         # The block is complete: host -> device now, while other chunks still arrive.
         group = plan.groups[gi]
         parts = [(p, self.buffers[i, k]) for k, p in enumerate(plan.pieces) if (i, k) in self.buffers and p.group == gi]
-        block = core.block_from_host_pieces(plan, group, parts, self.expect.avals[i].dtype)
+        block = core.block_from_host_pieces(group, parts, self.expect.avals[i].dtype)
         device = self.expect.avals[i].sharding.mesh.devices.flat[group.receiver]
         block = jax.device_put(block, device)
         with self.lock:
@@ -219,7 +223,7 @@ class HostEndpoint(Endpoint):
                 raise TransferError(f"link.bind_address/nic_addresses: cannot listen on {host}:{cfg.port} ({e})") from None
             s.listen(64)
             self._listeners.append(s)
-            addresses.append(f"[{host}]:{s.getsockname()[1]}" if ":" in host else f"{host}:{s.getsockname()[1]}")
+            addresses.append(link.address(host, s.getsockname()[1]))
             threading.Thread(target=self._accept, args=(s,), daemon=True).start()
         self.addresses = tuple(addresses)
 
@@ -361,6 +365,15 @@ class HostEndpoint(Endpoint):
         chunks: queue.Queue = queue.Queue(maxsize=2 * len(socks))
         stop = threading.Event()
 
+        def put(item) -> bool:  # False: the streams stopped before it went in
+            while not stop.is_set():
+                try:
+                    chunks.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    pass
+            return False
+
         def produce():  # device -> host copies run ahead of the streams
             try:
                 for i, j, piece in items:
@@ -370,22 +383,11 @@ class HostEndpoint(Endpoint):
                             "region": [list(r) for r in piece.region]}
                     for sub, offset in split(piece.region, itemsize, self.cfg.chunk_bytes):
                         data = _host_chunk(x, plans[i], piece, sub)
-                        while not stop.is_set():
-                            try:
-                                chunks.put((meta, offset, data), timeout=0.1)
-                                break
-                            except queue.Full:
-                                pass
-                        if stop.is_set():
+                        if not put((meta, offset, data)) or stop.is_set():
                             return
             finally:
                 for _ in socks:
-                    while not stop.is_set():
-                        try:
-                            chunks.put(None, timeout=0.1)
-                            break
-                        except queue.Full:
-                            pass
+                    put(None)
 
         def stream(sock, address):
             while (item := chunks.get()) is not None:
@@ -393,12 +395,7 @@ class HostEndpoint(Endpoint):
                 payload = memoryview(np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8))
                 frame = dict(meta, offset=offset, n=payload.nbytes, sum=self._checksum(payload))
                 _send_frame(sock, _CHUNK, frame, address)
-                try:
-                    sock.sendall(payload)
-                except socket.timeout:
-                    raise TransferTimeout(f"peer {address} stopped reading (LinkConfig.timeout_s)") from None
-                except OSError as e:
-                    raise PeerLost(f"peer {address}: connection lost ({e})") from None
+                _sendall(sock, payload, address)
                 with _counted:
                     handle.wire_bytes += payload.nbytes
             _send_frame(sock, _END, {"tag": tag}, address)

@@ -12,6 +12,11 @@ BACKENDS = ("local", "host", "direct")
 CHECKSUMS = ("crc32", "adler32")
 
 
+def address(host: str, port: int) -> str:
+    """"host:port", with an IPv6 host in brackets ("[::1]:port")."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class TransferError(RuntimeError):
     """A transfer failed: bad data, a refused connection, a mismatched message."""
 

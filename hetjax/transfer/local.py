@@ -54,7 +54,7 @@ class LocalEndpoint(Endpoint):
                 data = jax.device_put(core.device_piece(x, plan, piece), receivers[piece.dst])
                 by_group.setdefault(piece.group, []).append((piece, data))
                 handle.wire_bytes += piece.nbytes
-            blocks = {gi: core.block_from_device_pieces(plan, plan.groups[gi], ps, np.dtype(aval.dtype))
+            blocks = {gi: core.block_from_device_pieces(plan.groups[gi], ps, np.dtype(aval.dtype))
                       for gi, ps in by_group.items()}
             out.append(core.build(aval, plan, dst, self.process, blocks))
         return jax.tree.unflatten(expect.treedef, out)

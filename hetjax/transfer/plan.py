@@ -102,8 +102,13 @@ def intersect(a: Region, b: Region) -> Region | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
+def extent(region: Region) -> tuple[int, ...]:
+    """The region's shape."""
+    return tuple(hi - lo for lo, hi in region)
+
+
 def volume(region: Region) -> int:
-    return math.prod(hi - lo for lo, hi in region)
+    return math.prod(extent(region))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +192,7 @@ def make_plan(shape: Sequence[int], itemsize: int, src: Layout, dst: Layout) -> 
 def split(region: Region, itemsize: int, limit: int) -> list[tuple[Region, int]]:
     """Cuts a region into sub-regions of at most `limit` bytes where possible, each
     contiguous in the region's row-major buffer; returns (sub-region, byte offset)."""
-    extents = [hi - lo for lo, hi in region]
+    extents = extent(region)
     # d: the outermost dimension along which whole rows (all later dims) fit in limit.
     d, row = len(region), itemsize
     while d > 0 and row * extents[d - 1] <= limit:

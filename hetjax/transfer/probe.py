@@ -31,7 +31,7 @@ import threading
 import time
 
 from hetjax.config import ConfigError
-from hetjax.transfer import host
+from hetjax.transfer import host, link
 from hetjax.transfer.link import TransferError, TransferTimeout
 
 SECRET_ENV = "HETJAX_TRANSFER_SECRET"
@@ -60,10 +60,6 @@ class Control:
 
     def close(self) -> None:
         self.sock.close()
-
-
-def _address(host_: str, port: int) -> str:
-    return f"[{host_}]:{port}" if ":" in host_ else f"{host_}:{port}"
 
 
 def _array(nbytes, devices, multiple):
@@ -99,10 +95,10 @@ def serve(args) -> None:
     backend it asks; from then on a silent peer raises TransferTimeout."""
     secret = _link(args, "host", 1).secret()
     listener = socket.create_server((args.bind, args.port))
-    print(f"hetjax probe: waiting for a peer on {_address(args.bind, listener.getsockname()[1])}", flush=True)
+    print(f"hetjax probe: waiting for a peer on {link.address(args.bind, listener.getsockname()[1])}", flush=True)
     while True:  # a refused or silent caller does not end the wait
         conn, addr = listener.accept()
-        peer = _address(addr[0], addr[1])
+        peer = link.address(addr[0], addr[1])
         conn.settimeout(args.timeout)
         try:
             if host.authenticate(conn, secret, peer):
@@ -165,8 +161,8 @@ def _raw_receive(listener, streams, nbytes, conns, secret, timeout_s):
     while len(conns) < streams:
         conn, addr = listener.accept()
         conn.settimeout(timeout_s)
-        if not host.authenticate(conn, secret, _address(*addr[:2])):
-            raise TransferError(f"probe: raw stream from {_address(*addr[:2])} did not prove the job's secret")
+        if not host.authenticate(conn, secret, link.address(*addr[:2])):
+            raise TransferError(f"probe: raw stream from {link.address(*addr[:2])} did not prove the job's secret")
         conns.append(conn)
     buf = aligned_empty((nbytes,), np.uint8)  # fresh memory each time, as a receiver's would be
     parts = np.array_split(buf, streams)
@@ -191,7 +187,7 @@ def measure(ctl: Control, backend: str, args, n_src: int) -> dict:
         secret = _link(args, "host", 1).secret()
         listener = socket.create_server((args.bind, 0))
         listener.settimeout(args.timeout)
-        ctl.send(backend=backend, addresses=[_address(args.bind, listener.getsockname()[1])])
+        ctl.send(backend=backend, addresses=[link.address(args.bind, listener.getsockname()[1])])
         ctl.recv()
         conns = []
         try:
