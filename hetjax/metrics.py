@@ -48,9 +48,9 @@ def peak_flops(cfg, devices) -> tuple[float, str]:
     if devices[0].platform == "cpu":
         # Virtual CPU devices share the host's cores: the host rate is the whole peak.
         return measure_cpu_matmul_flops(), "measured fp32 matmul on this host"
-    for name, flops in PEAK_FLOPS.items():
-        if name.lower() in kind.lower():
-            return flops * len(devices), f"{name} bf16 data sheet"
+    hw = hardware.for_device_kind(kind)
+    if hw is not None:
+        return hw.peak_flops * len(devices), f"{hw.name} bf16 data sheet"
     return math.nan, f"unknown device kind {kind!r}: set config.peak_tflops"
 
 

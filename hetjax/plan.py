@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from hetjax.compile import backend, cli
+from hetjax.compile import backend, cli, hardware
 
 
 def main(argv: list[str]) -> int:
@@ -24,10 +24,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--devices", type=int, help="device count (default: config.mesh)")
     parser.add_argument("--mesh", action="append", default=[],
                         help="AXIS=SIZE,... (repeat, or separate meshes by ';'); default config.mesh")
-    parser.add_argument("--hardware", default="H100,A100,MI250X,MI300X", help="comma-separated")
+    parser.add_argument("--hardware", default=",".join(hardware.DEFAULT_HARDWARE), help="comma-separated")
     parser.add_argument("--out", help="directory for plan.json / plan.png (default plans/<config>)")
     ns, cfg = cli.parse(parser, argv)
-    from hetjax.compile import hardware, plan
+    from hetjax.compile import plan
     devices = cli.device_count(cfg, ns.devices)
     texts = [m for arg in ns.mesh for m in arg.split(";") if m.strip()]
     meshes = [plan.parse_mesh(t, devices) for t in texts] or [cfg.mesh]

@@ -49,8 +49,9 @@ def _mesh_record(mesh) -> dict:
 def _flat_functions(prog: aot.Program):
     """(name -> (jitted flat function, abstract args, input paths, output paths))."""
     cfg, mesh, rules = prog.cfg, prog.mesh, prog.rules
-    state_paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(prog.state)[0]]
-    state_leaves, state_def = jax.tree.flatten(prog.state)
+    state_flat, state_def = jax.tree_util.tree_flatten_with_path(prog.state)
+    state_paths = [jax.tree_util.keystr(k) for k, _ in state_flat]
+    state_leaves = [leaf for _, leaf in state_flat]
     state_sh = state_def.flatten_up_to(prog.state_shardings)
     params_leaves, params_def = jax.tree.flatten(prog.state.params)
     params_sh = params_def.flatten_up_to(prog.state_shardings.params)
@@ -177,8 +178,8 @@ def load(out_dir, cfg, mesh, platform: str | None = None) -> Loaded:
         if hashlib.sha256(blob).hexdigest() != record["sha256"]:
             raise ArtifactMismatch(f"{out / record['file']}: contents do not match the manifest's sha256")
         exported[name] = jax_export.deserialize(bytearray(blob))
-    _, state_def = jax.tree.flatten(prog.state)
-    _, params_def = jax.tree.flatten(prog.state.params)
+    state_def = jax.tree.structure(prog.state)
+    params_def = jax.tree.structure(prog.state.params)
     train_call = jax.jit(exported["train_step"].call, donate_argnums=0)
     eval_call = jax.jit(exported["eval_step"].call)
 

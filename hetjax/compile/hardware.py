@@ -35,6 +35,17 @@ TABLE = {h.name: h for h in (
     Hardware("MI210", "rocm", 181e12, 1638 * GB, 150 * GB, 64 * GiB),
 )}
 
+# What the planner estimates for when no --hardware is named.
+DEFAULT_HARDWARE = ("H100", "A100", "MI250X", "MI300X")
+
+
+def for_device_kind(kind: str) -> Hardware | None:
+    """The first record, in table order, whose name is in jax's `device_kind` (case-insensitive)."""
+    for name, hw in TABLE.items():
+        if name.lower() in kind.lower():
+            return hw
+    return None
+
 
 def get(name: str) -> Hardware:
     """The record for `name` (case-insensitive), or a ConfigError listing the known ones."""

@@ -87,7 +87,8 @@ def summarize(text: str, devices: int) -> dict:
     mult[entry] = 1
     for comp in reversed(order):  # callees are printed before their callers
         for _, _, opcode, _, rest in comps[comp]:
-            trip = int(_TRIP.search(rest).group(1)) if opcode == "while" and _TRIP.search(rest) else 1
+            m = _TRIP.search(rest) if opcode == "while" else None
+            trip = int(m.group(1)) if m else 1
             called = [(k, c) for k, c in _CALLS.findall(rest)]
             for b in _BRANCHES.findall(rest):
                 called += [("branch", c.strip().lstrip("%")) for c in b.split(",")]

@@ -18,7 +18,7 @@ from hetjax import memory, metrics, pipeline
 from hetjax.compile import aot, hardware, hlo
 from hetjax.config import MESH_AXES, ConfigError, MeshConfig
 
-DEFAULT_HARDWARE = ("H100", "A100", "MI250X", "MI300X")
+DEFAULT_HARDWARE = hardware.DEFAULT_HARDWARE
 
 
 def parse_mesh(text: str, devices: int, flag: str = "--mesh") -> MeshConfig:
