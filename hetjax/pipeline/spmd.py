@@ -30,6 +30,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -113,11 +114,25 @@ def _gather_free(mesh: Mesh) -> bool:
     return sum(mesh.shape[a] > 1 for a in ("data", "fsdp", "tensor")) > 1
 
 
+def _work_table(sched: Schedule) -> tuple[np.ndarray, list[tuple[int, bool, bool]]]:
+    """(ticks, stages) int32 index into the (stage kind, forward?, backward?) combinations
+    that occur; kind 0/1/2 is the first/a middle/the last stage. The last stage runs no
+    separate forward: its backward computes the loss."""
+    S = sched.stages
+    kind = np.array([0] + [1] * (S - 2) + [2])
+    fwd = (sched.forward >= 0) & (kind < 2)
+    combos = np.stack(np.broadcast_arrays(kind, fwd, sched.backward >= 0), -1).reshape(-1, 3)
+    unique, index = np.unique(combos, axis=0, return_inverse=True)
+    return (index.reshape(fwd.shape).astype(np.int32),
+            [(int(k), bool(f), bool(b)) for k, f, b in unique])
+
+
 def make_grad_fn(graphdef, mesh: Mesh, rules, plan: Plan):
     """(params in pipeline layout, batch) -> (loss sum, token count, summed gradients)."""
     S, K = plan.stages, plan.slots
     sched = plan.schedule
-    tables = tuple(jnp.asarray(t) for t in (sched.forward, sched.backward, sched.arrivals()))
+    work, combos = _work_table(sched)
+    tables = tuple(jnp.asarray(t) for t in (sched.forward, sched.backward, sched.arrivals(), work))
     valid_table = jnp.asarray(plan.layout.valid()) if plan.layout.padded else None
     gather_free = _gather_free(mesh)
     to_next = [(i, i + 1) for i in range(S - 1)]
@@ -125,7 +140,6 @@ def make_grad_fn(graphdef, mesh: Mesh, rules, plan: Plan):
 
     def body(params, micro):
         s = jax.lax.axis_index(AXIS)
-        kind = jnp.where(s == 0, 0, jnp.where(s == S - 1, 2, 1))  # first, middle, last
         valid = None if valid_table is None else valid_table[s]
 
         def pick(m):
@@ -136,34 +150,33 @@ def make_grad_fn(graphdef, mesh: Mesh, rules, plan: Plan):
         zeros_act = jnp.zeros(act.shape, act.dtype)
         zero_grads = jax.tree.map(jnp.zeros_like, params)
 
-        def forward(first):
-            return lambda x, mb: stage_forward(graphdef, params, x, mb, first=first, last=False,
-                                               valid=valid, gather_free=gather_free)
+        def branch(kind, fwd, bwd):
+            def run(x_f, mb_f, x_b, mb_b, dy):
+                y = zeros_act
+                if fwd:
+                    y = stage_forward(graphdef, params, x_f, mb_f, first=kind == 0, last=False,
+                                      valid=valid, gather_free=gather_free)
+                g, dx, l = zero_grads, zeros_act, jnp.zeros((), jnp.float32)
+                if bwd:
+                    g, dx, l = stage_backward(graphdef, params, x_b, mb_b, dy, first=kind == 0,
+                                              last=kind == 2, valid=valid, gather_free=gather_free)
+                return y, g, dx, l
+            return run
 
-        def backward(first, last):
-            return lambda x, mb, dy: stage_backward(graphdef, params, x, mb, dy, first=first,
-                                                    last=last, valid=valid, gather_free=gather_free)
-
-        forwards = [forward(True), forward(False), lambda x, mb: zeros_act]
-        backwards = [backward(True, False), backward(False, False), backward(False, True),
-                     lambda x, mb, dy: (zero_grads, zeros_act, jnp.zeros((), jnp.float32))]
+        branches = [branch(*c) for c in combos]
 
         def tick(carry, row):
             stash, recv_x, recv_dx, grads, loss = carry
-            f, b, arrived = (t[s] for t in row)
+            f, b, arrived, w = (t[s] for t in row)
             # An arriving activation goes into its micro-batch's slot until its backward.
             slot = jnp.maximum(arrived, 0) % K
             stash = jax.lax.dynamic_update_index_in_dim(
                 stash, jnp.where(arrived >= 0, recv_x, stash[slot]), slot, 0)
-            # The last stage runs no separate forward: its backward computes the loss.
-            fi = jnp.where((f >= 0) & (kind < 2), kind, 2)
-            y = jax.lax.switch(fi, forwards, stash[jnp.maximum(f, 0) % K], pick(f))
-            # Collectives inside the two switches (fsdp/tensor) and the permutes must
-            # run in one order on every device, or the CPU runtime can deadlock.
-            y, x_b = jax.lax.optimization_barrier((y, stash[jnp.maximum(b, 0) % K]))
-            bi = jnp.where(b >= 0, kind, 3)
-            g, dx, l = jax.lax.switch(bi, backwards, x_b, pick(b), recv_dx)
-            y, dx, g = jax.lax.optimization_barrier((y, dx, g))
+            # One switch runs the tick's forward and backward: the collectives inside
+            # (fsdp/tensor) then follow one program order on every device. With two
+            # switches the CPU runtime may start either first and deadlock.
+            y, g, dx, l = jax.lax.switch(w, branches, stash[jnp.maximum(f, 0) % K], pick(f),
+                                         stash[jnp.maximum(b, 0) % K], pick(b), recv_dx)
             grads = jax.tree.map(jnp.add, grads, g)
             recv_x = jax.lax.ppermute(y, AXIS, to_next)
             recv_dx = jax.lax.ppermute(dx, AXIS, to_prev)
