@@ -244,25 +244,41 @@ class Manager:
         return None
 
     def restore(self, step: int, abstract_state: TrainState, shardings: TrainState) -> Restored:
-        where = f"checkpoint step {step} in {self.directory}"
-        try:
-            small = self._manager.restore(step, args=ocp.args.Composite(
-                meta=ocp.args.JsonRestore(), data=ocp.args.JsonRestore(), config=ocp.args.JsonRestore()))
-            meta, data_state, config = small.meta, small.data, small.config
-        except Exception as e:
-            raise CorruptCheckpoint(f"{where} is unreadable ({type(e).__name__}: {e})") from e
-        check_shapes(self._item_metadata(step, "params", where), abstract_state.params, where, config)
-        try:
-            arrays = self._manager.restore(step, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(aot.abstract(abstract_state.params, shardings.params)),
-                opt_state=ocp.args.StandardRestore(aot.abstract(abstract_state.opt_state, shardings.opt_state)),
-            ))
-        except Exception as e:
-            raise CorruptCheckpoint(f"{where} is unreadable ({type(e).__name__}: {e})") from e
-        verify(meta.get("checksums", {}), {"params": arrays.params, "opt_state": arrays.opt_state}, where)
+        small, arrays = self.read(step, {"params": (abstract_state.params, shardings.params),
+                                         "opt_state": (abstract_state.opt_state, shardings.opt_state)},
+                                  json_items=("data", "config"))
+        meta = small.meta
         state = TrainState(step=jax.device_put(jnp.asarray(meta["step"], jnp.int32), shardings.step),
                            params=arrays.params, opt_state=arrays.opt_state)
-        return Restored(int(meta["step"]), state, data_state, config, meta)
+        return Restored(int(meta["step"]), state, small.data, small.config, meta)
+
+    def read_json(self, step: int, *items: str):
+        """The JSON items (meta, data, config) of checkpoint `step`, by name."""
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(
+                **{k: ocp.args.JsonRestore() for k in items}))
+        except Exception as e:
+            raise CorruptCheckpoint(f"{self._where(step)} is unreadable ({type(e).__name__}: {e})") from e
+
+    def read(self, step: int, arrays: dict, json_items: tuple[str, ...] = ()):
+        """(JSON items, array items) of checkpoint `step`: meta and `json_items`, and
+        each array item of `arrays` (name -> (abstract tree, shardings)) laid out by
+        its shardings, after checking the parameter shapes; the arrays read are
+        checksummed again against those written at save time."""
+        where = self._where(step)
+        small = self.read_json(step, "meta", *json_items)
+        check_shapes(self._item_metadata(step, "params", where), arrays["params"][0], where, small.get("config"))
+        try:
+            read = self._manager.restore(step, args=ocp.args.Composite(
+                **{k: ocp.args.StandardRestore(aot.abstract(a, s)) for k, (a, s) in arrays.items()}))
+        except Exception as e:
+            raise CorruptCheckpoint(f"{where} is unreadable ({type(e).__name__}: {e})") from e
+        expected = {k: v for k, v in small.meta.get("checksums", {}).items() if k.split("/")[0] in arrays}
+        verify(expected, {k: read[k] for k in arrays}, where)
+        return small, read
+
+    def _where(self, step: int) -> str:
+        return f"checkpoint step {step} in {self.directory}"
 
     def _item_metadata(self, step, item, where):
         try:
@@ -339,27 +355,18 @@ def find_checkpoint_dir(path: str | Path) -> tuple[Path, int | None]:
 def load_params(path: str | Path, abstract_params, param_shardings, log=print):
     """Parameters only, from a checkpoint, laid out by `param_shardings`; verified."""
     directory, step = find_checkpoint_dir(path)
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
-                                    item_handlers=_handlers())
-    steps = sorted(manager.all_steps()) if step is None else [step]
+    manager = Manager(directory, read_only=True)
     errors = []
-    for s in reversed(steps):
-        where = f"checkpoint step {s} in {directory}"
+    for s in reversed(manager.steps() if step is None else [step]):
+        where = manager._where(s)
         try:
-            meta = manager.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-            check_shapes(manager.item_metadata(s)["params"], abstract_params, where)
-            params = manager.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(
-                aot.abstract(abstract_params, param_shardings)))).params
-            verify({k.removeprefix("params/"): v for k, v in meta.get("checksums", {}).items()
-                    if k.startswith("params/")}, params, where)
-        except ConfigError:
-            raise
-        except Exception as e:
-            log(f"warning: {where} is unreadable or damaged ({type(e).__name__}: {e}); trying an older one")
+            small, arrays = manager.read(s, {"params": (abstract_params, param_shardings)})
+        except CorruptCheckpoint as e:
+            log(f"warning: {e}; trying an older one")
             errors.append(str(e))
             continue
-        log(f"initialised the parameters from {where} (fingerprint {meta.get('params_fingerprint')})")
-        return params
+        log(f"initialised the parameters from {where} (fingerprint {small.meta.get('params_fingerprint')})")
+        return arrays.params
     raise CheckpointError(f"config.init_from={str(path)!r}: no readable checkpoint ({errors or 'none found'})")
 
 
