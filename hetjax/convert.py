@@ -19,6 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
@@ -183,7 +184,7 @@ def import_hf(hf_dir: Path, out_dir: Path, param_dtype: str = "float32", log=pri
         raise ConvertError(f"{out_dir}/0 already exists; choose an empty output directory")
     staging = out_dir / "0.import"
     shutil.rmtree(staging, ignore_errors=True)  # ours: a previous import that died midway
-    hashes, shapes = {}, {}
+    hashes, shapes = {}, {}  # path -> hash, path -> ShapeDtypeStruct
     for e in plan:
         layers = _layers(e, m)
         x = np.empty(((len(layers),) if layers != [None] else ()) + e.shape, np.dtype(param_dtype))
@@ -194,14 +195,14 @@ def import_hf(hf_dir: Path, out_dir: Path, param_dtype: str = "float32", log=pri
             x[() if i is None else i] = e.to_hetjax(t).astype(x.dtype)
         ocp_partial.save(staging, _nested(e.path, x))
         hashes.update(checkpoint.leaf_hashes({e.path: x}))
-        shapes[e.path] = x.shape
+        shapes[e.path] = jax.ShapeDtypeStruct(x.shape, x.dtype)
         log(f"  {e.path:26} {str(x.shape):22} <- {e.hf}")
         del x
     ocp_partial.finalize(staging)
     manager = ocp.CheckpointManager(out_dir, item_handlers={"meta": ocp.JsonCheckpointHandler(),
                                                              "config": ocp.JsonCheckpointHandler()})
     meta = {"step": 0, "checksums": {f"params/{k}": v for k, v in hashes.items()}, "hf_config": hf_config,
-            "params_fingerprint": _fingerprint(hashes, shapes, param_dtype), "source": str(hf_dir)}
+            "params_fingerprint": checkpoint.fingerprint(shapes, hashes), "source": str(hf_dir)}
     manager.save(0, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta),
                                             config=ocp.args.JsonSave({"model": dataclasses.asdict(m)})))
     manager.close()
@@ -210,30 +211,13 @@ def import_hf(hf_dir: Path, out_dir: Path, param_dtype: str = "float32", log=pri
     return m
 
 
-def _fingerprint(hashes, shapes, dtype) -> str:
-    import jax
-    tree = {}
-    for path, shape in shapes.items():
-        _merge(tree, _nested(path, jax.ShapeDtypeStruct(shape, np.dtype(dtype))))
-    return checkpoint.fingerprint(tree, hashes)
-
-
-def _merge(a: dict, b: dict) -> dict:
-    for k, v in b.items():
-        a[k] = _merge(a.get(k, {}), v) if isinstance(v, dict) and "value" not in v else v
-    return a
-
-
 def export_hf(ckpt: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
               log=print) -> list[Path]:
     """Writes config.json and safetensors shards from the parameters of an orbax checkpoint."""
     directory, step = checkpoint.find_checkpoint_dir(ckpt)
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
-                                    item_handlers={"meta": ocp.JsonCheckpointHandler(),
-                                                   "config": ocp.JsonCheckpointHandler()})
-    step = max(manager.all_steps()) if step is None else step
-    small = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(),
-                                                          config=ocp.args.JsonRestore()))
+    manager = checkpoint.Manager(directory, read_only=True)
+    step = max(manager.steps()) if step is None else step
+    small = manager.read_json(step, "meta", "config")
     m = ModelConfig(**small.config["model"])
     plan = entries(m)
     specs = [(e.hf.format(i=i), e.hf_shape, np.dtype(_np_dtype(dtype))) for e in plan for i in _layers(e, m)]
