@@ -27,6 +27,20 @@ class Handle:
         self._idle, self._timeout_s = idle, timeout_s  # idle(): seconds since the peer last spoke
         self.wire_bytes = 0
 
+    @property
+    def future(self) -> futures.Future:
+        return self._future
+
+    def run(self, fn, *args) -> Handle:
+        """Runs fn(*args) in a daemon thread as this transfer (fn may add to wire_bytes)."""
+        self._future = run_async(fn, *args)
+        return self
+
+    def watch(self, idle, timeout_s: float) -> None:
+        """wait() raises TransferTimeout once idle() (seconds since the peer last spoke)
+        passes timeout_s."""
+        self._idle, self._timeout_s = idle, timeout_s
+
     def done(self) -> bool:
         return self._future.done()
 
@@ -150,6 +164,20 @@ def block_from_host_pieces(group, pieces: list[tuple[object, np.ndarray]], dtype
     for piece, data in pieces:
         block[local_slices(piece.region, group.region)] = data
     return block
+
+
+def assemble(expect: Expect, process: int, received, handle: Handle):
+    """The received pytree from (leaf index, piece, array on the piece's receiver
+    device) triples; counts each piece's bytes into handle.wire_bytes."""
+    by_leaf: list[dict[int, list]] = [{} for _ in expect.avals]
+    for i, piece, data in received:
+        by_leaf[i].setdefault(piece.group, []).append((piece, data))
+        handle.wire_bytes += piece.nbytes
+    out = []
+    for aval, plan, dst, groups in zip(expect.avals, expect.plans, expect.dst, by_leaf):
+        blocks = {gi: block_from_device_pieces(plan.groups[gi], ps, aval.dtype) for gi, ps in groups.items()}
+        out.append(build(aval, plan, dst, process, blocks))
+    return jax.tree.unflatten(expect.treedef, out)
 
 
 def build(aval, plan: Plan, dst: Layout, process: int, blocks: dict[int, object]) -> jax.Array:

@@ -75,8 +75,7 @@ class DirectEndpoint(Endpoint):
                 wanted.setdefault(piece.src_process, []).append((i, piece, sds))
         core.check_peers(peers, wanted, f"recv {tag!r}", "source")
         handle = core.Handle(None, f"recv {tag!r}")
-        handle._future = core.run_async(self._receive, tag, expect, src_layouts, wanted, peers, handle)
-        return handle
+        return handle.run(self._receive, tag, expect, src_layouts, wanted, peers, handle)
 
     def _connection(self, address):
         with self._lock:
@@ -91,19 +90,12 @@ class DirectEndpoint(Endpoint):
             address = peers[p][0]
             pulls[p] = (address, core.run_async(lambda a=address, u=uuid, s=[sds for _, _, sds in items]:
                                                 self._connection(a).pull(u, s)))
-        by_leaf = [dict() for _ in expect.avals]
+        received = []
         for p, (address, future) in pulls.items():
             if not core.futures.wait([future], timeout=self.cfg.timeout_s).done:
                 raise TransferTimeout(
                     f"recv {tag!r}: source process {p} at {address} offered nothing matching within "
                     f"{self.cfg.timeout_s:g} s (LinkConfig.timeout_s): it is gone, or its tag, shapes, "
                     f"dtypes or layouts differ from this receive's")
-            arrays = future.result()
-            for (i, piece, _), data in zip(wanted[p], arrays):
-                by_leaf[i].setdefault(piece.group, []).append((piece, data))
-                handle.wire_bytes += piece.nbytes
-        out = []
-        for aval, plan, dst, groups in zip(expect.avals, expect.plans, expect.dst, by_leaf):
-            blocks = {gi: core.block_from_device_pieces(plan.groups[gi], ps, aval.dtype) for gi, ps in groups.items()}
-            out.append(core.build(aval, plan, dst, self.process, blocks))
-        return jax.tree.unflatten(expect.treedef, out)
+            received += [(i, piece, data) for (i, piece, _), data in zip(wanted[p], future.result())]
+        return core.assemble(expect, self.process, received, handle)

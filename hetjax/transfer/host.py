@@ -148,7 +148,7 @@ class _Inbox:
         self.tag, self.expect, self.handle = tag, expect, handle
         self.lock = threading.Lock()
         self.activity = core.Activity()
-        self.future = handle._future
+        self.future = handle.future
         self.buffers, self.left, self.group_left, self.blocks = {}, {}, {}, []
         for i, (aval, plan) in enumerate(zip(expect.avals, expect.plans)):
             self.blocks.append({})
@@ -235,13 +235,13 @@ class HostEndpoint(Endpoint):
         who = ", ".join(f"process {p}" + (f" at {','.join(peers[p])}" if peers and p in peers else "") for p in senders)
         handle = core.Handle(core.futures.Future(), f"recv {tag!r} from source {who}")
         inbox = _Inbox(self, tag, expect, handle)
-        handle._idle, handle._timeout_s = inbox.activity.idle, self.cfg.timeout_s
+        handle.watch(inbox.activity.idle, self.cfg.timeout_s)
         with self._posted:
             if tag in self._inboxes:
                 raise TransferError(f"recv {tag!r}: a receive with this tag is already posted; tags must be unique in flight")
             self._inboxes[tag] = inbox
             self._posted.notify_all()
-        handle._future.add_done_callback(lambda _: self._drop(tag, inbox))
+        handle.future.add_done_callback(lambda _: self._drop(tag, inbox))
         if not inbox.left:
             inbox.finish()
         return handle
@@ -336,8 +336,7 @@ class HostEndpoint(Endpoint):
         handle = core.Handle(None, f"send {tag!r}")
         jobs = [core.run_async(self._send_to, tag, leaves, plans, tuple(peers[q]), items, handle)
                 for q, items in sorted(work.items())]
-        handle._future = core.run_async(lambda: [job.result() for job in jobs] and None)
-        return handle
+        return handle.run(lambda: [job.result() for job in jobs] and None)
 
     def _pipe(self, addresses: tuple[str, ...]):
         with self._pipes_lock:

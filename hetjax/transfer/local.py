@@ -10,7 +10,6 @@ import threading
 import time
 
 import jax
-import numpy as np
 
 from hetjax.transfer import core
 from hetjax.transfer.api import Endpoint, check_leaf
@@ -34,8 +33,7 @@ class LocalEndpoint(Endpoint):
     def recv(self, tag, like, src, peers=None):
         expect = self.prepare_recv(tag, like, src)
         handle = core.Handle(None, f"recv {tag!r}")
-        handle._future = core.run_async(self._receive, tag, expect, handle)
-        return handle
+        return handle.run(self._receive, tag, expect, handle)
 
     def _receive(self, tag, expect, handle):
         deadline = time.monotonic() + self.cfg.timeout_s
@@ -45,16 +43,10 @@ class LocalEndpoint(Endpoint):
                     raise TransferTimeout(f"recv {tag!r}: nothing was sent within {self.cfg.timeout_s:g} s "
                                           f"(LinkConfig.timeout_s)")
             leaves, _ = _mailbox.pop(tag)
-        out = []
-        for i, (x, aval, plan, dst) in enumerate(zip(leaves, expect.avals, expect.plans, expect.dst)):
+        received = []
+        for i, (x, aval, plan) in enumerate(zip(leaves, expect.avals, expect.plans)):
             check_leaf(tag, i, x.shape, x.dtype, aval)
             receivers = list(aval.sharding.mesh.devices.flat)
-            by_group: dict[int, list] = {}
-            for piece in plan.pieces:
-                data = jax.device_put(core.device_piece(x, plan, piece), receivers[piece.dst])
-                by_group.setdefault(piece.group, []).append((piece, data))
-                handle.wire_bytes += piece.nbytes
-            blocks = {gi: core.block_from_device_pieces(plan.groups[gi], ps, np.dtype(aval.dtype))
-                      for gi, ps in by_group.items()}
-            out.append(core.build(aval, plan, dst, self.process, blocks))
-        return jax.tree.unflatten(expect.treedef, out)
+            received += [(i, piece, jax.device_put(core.device_piece(x, plan, piece), receivers[piece.dst]))
+                         for piece in plan.pieces]
+        return core.assemble(expect, self.process, received, handle)
