@@ -143,11 +143,9 @@ def test_fingerprint_sees_one_flipped_bit_and_ignores_layout():
     assert checkpoint.leaf_hashes([sharded]) == checkpoint.leaf_hashes([np.tile(tree["a"], (8, 1))])
 
 
-@pytest.mark.parametrize("damage", ["truncate", "overwrite"])
-def test_a_damaged_latest_checkpoint_is_reported_and_skipped(tmp_path, damage, saved):
-    shutil.copytree(saved[0], tmp_path / "ck")
-    saved = saved[1]
-    files = sorted((p for p in (tmp_path / "ck" / "4" / "params").rglob("*") if p.is_file() and p.stat().st_size > 64),
+def damage_params(step_dir: Path, damage: str) -> None:
+    """Truncates or zeroes 16 bytes in the middle of the largest parameter file."""
+    files = sorted((p for p in (step_dir / "params").rglob("*") if p.is_file() and p.stat().st_size > 64),
                    key=lambda p: -p.stat().st_size)
     victim = files[0]
     if damage == "truncate":
@@ -156,6 +154,13 @@ def test_a_damaged_latest_checkpoint_is_reported_and_skipped(tmp_path, damage, s
         raw = bytearray(victim.read_bytes())
         raw[len(raw) // 2: len(raw) // 2 + 16] = bytes(16)
         victim.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "overwrite"])
+def test_a_damaged_latest_checkpoint_is_reported_and_skipped(tmp_path, damage, saved):
+    shutil.copytree(saved[0], tmp_path / "ck")
+    saved = saved[1]
+    damage_params(tmp_path / "ck" / "4", damage)
     count = sum(1 for p in (tmp_path / "ck").rglob("*") if p.is_file())
     abstract, shardings = abstract_for(MeshConfig(fsdp=8), 8)
     log = []
@@ -166,6 +171,21 @@ def test_a_damaged_latest_checkpoint_is_reported_and_skipped(tmp_path, damage, s
     # Nothing deleted: the damaged step moved to corrupt/, every file still there.
     assert sum(1 for p in tmp_path.rglob("*") if p.is_file()) == count
     assert [p.name.split("-")[1] for p in (tmp_path / "corrupt").iterdir()] == ["4"]
+
+
+def test_load_params_skips_a_damaged_checkpoint_and_keeps_it(tmp_path, saved):
+    """init_from reads parameters through the same verified path as a resume."""
+    shutil.copytree(saved[0], tmp_path / "ck")
+    damage_params(tmp_path / "ck" / "4", "overwrite")
+    abstract, shardings = abstract_for(MeshConfig(fsdp=2, tensor=4), 8)
+    log = []
+    params = checkpoint.load_params(tmp_path / "ck", abstract.params, shardings.params, log=log.append)
+    assert any("step 4" in l and "damaged" in l for l in log) and "step 2" in log[-1], log
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(saved[1].params))
+    assert all(x.sharding == s for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings.params)))
+    assert (tmp_path / "ck" / "4").is_dir()  # init_from reads; it moves nothing aside
+    with pytest.raises(checkpoint.CheckpointError, match="no readable checkpoint"):
+        checkpoint.load_params(tmp_path / "ck" / "4", abstract.params, shardings.params, log=log.append)
 
 
 def test_a_shape_mismatch_names_the_parameter(saved):
