@@ -155,9 +155,10 @@ def build(cfg) -> Data:
         description, floor = lang.describe(), lang.floor()
         fingerprint = lang.describe()
     else:
-        train = _open(d, d.path, "config.data.path")
+        tokenizer = tokenizers.load(d.tokenizer)  # once: train and eval share it
+        train = _open(d, tokenizer, d.path, "config.data.path")
         if d.eval_path:
-            held_out = _open(d, d.eval_path, "config.data.eval_path")
+            held_out = _open(d, tokenizer, d.eval_path, "config.data.eval_path")
         else:
             train, held_out = _split(train, d.eval_fraction, d.seed)
         tokenizers.check_vocab(train, cfg.model.vocab_size, f"the data of config.data.path={d.path!r}")
@@ -170,14 +171,14 @@ def build(cfg) -> Data:
                 floor, cfg.batch_size, d.num_workers)
 
 
-def _open(d, path: str, what: str):
+def _open(d, tokenizer, path: str, what: str):
     if d.source == "array_record":
         src = sources.ArrayRecordSource(path, what)
-        if src.tokenizer_fingerprint != tokenizers.load(d.tokenizer).fingerprint:
+        if src.tokenizer_fingerprint != tokenizer.fingerprint:
             raise ConfigError(f"{what}={path!r} was prepared with tokenizer {src.tokenizer_fingerprint} "
                               f"but config.data.tokenizer={d.tokenizer!r}; use the same tokenizer")
         return src
-    return sources.TextSource(path, d.source, tokenizers.load(d.tokenizer), field=d.text_field,
+    return sources.TextSource(path, d.source, tokenizer, field=d.text_field,
                               skip_bad=d.skip_bad_records, index_dir=d.index_dir, what=what)
 
 
