@@ -22,36 +22,22 @@ import time
 
 import jax
 
+from bench import common
 from hetjax import config as config_lib
-from hetjax import data, optim, step
-from hetjax import state as state_lib
+from hetjax import data, step
 from hetjax.mesh import describe, make_mesh
 
 
 def parse(argv: list[str]) -> tuple[config_lib.Config, int]:
-    steps, rest, args = 50, [], list(argv)
-    while args:
-        arg = args.pop(0)
-        key, eq, value = arg.partition("=")
-        if key == "--steps":
-            steps = int(value if eq else args.pop(0))
-        else:
-            rest.append(arg)
-    if not any(a == "--config" or a.startswith("--config=") for a in rest):
-        rest = ["--config", "configs/tiny.py"] + rest
-    cmd = config_lib.parse_command_line(rest, flags=())
-    cfg = config_lib.load(cmd.config, cmd.overrides)
-    cfg = dataclasses.replace(cfg, steps=max(cfg.steps, steps + 1))
+    cfg, opts = common.parse(argv, {"--steps": (50, 1)}, doc=__doc__)
+    cfg = dataclasses.replace(cfg, steps=max(cfg.steps, opts["steps"] + 1))
     config_lib.validate(cfg)
-    return cfg, steps
+    return cfg, opts["steps"]
 
 
 def train_step_rate(cfg, mesh, batches) -> float:
-    tx = optim.make_optimizer(cfg.optim, cfg.steps)
-    graphdef, abstract = state_lib.abstract_state(cfg.model, cfg.seed, tx)
-    shardings = state_lib.state_shardings(abstract, mesh, cfg.sharding.rules)
-    train_step = step.compile_train_step(cfg, graphdef, tx, abstract, shardings, mesh)
-    state = state_lib.create_state(cfg.model, cfg.seed, tx, shardings)
+    prog, train_step = common.train_program(cfg, mesh)
+    state = common.initial_state(prog)
     state, m = train_step(state, batches[0])  # warm up
     jax.block_until_ready(m)
     t = time.perf_counter()
@@ -96,4 +82,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.cli(main))

@@ -50,51 +50,22 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetjax import config as config_lib
-from hetjax import data, optim, sharding, step
+from bench import common
+from hetjax import data, sharding, step
 from hetjax import state as state_lib
 from hetjax.mesh import describe, make_mesh
 
-DEFAULT_CONFIG = "configs/tiny.py"
 # Applied only when no --config is given: tiny with twice its batch, so that the
 # step is more than dispatch yet a run stays near a minute on a 2-core CPU.
 DEFAULT_OVERRIDES = {"batch_size": "32"}
-COUNTS = {"--steps": 10, "--warmup": 5, "--repeats": 14}  # and their defaults
+COUNTS = {"--steps": (10, 1), "--warmup": (5, 0), "--repeats": (14, 1)}  # (default, least)
 RTOL = 1e-4
 
 
 def parse_args(argv: list[str]) -> tuple[config_lib.Config, dict]:
     """Our --steps/--warmup/--repeats/--constrain-baseline, then hetjax's --config
     parsing for the rest. --config.steps becomes W + R*N, the schedule's length."""
-    opts, rest = {**COUNTS, "--constrain-baseline": False}, []
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        key, eq, value = arg.partition("=")
-        if arg == "--constrain-baseline":
-            opts[arg] = True
-        elif key in COUNTS:
-            if not eq:
-                if not args:
-                    raise config_lib.ConfigError(f"{arg}: give a value, e.g. {arg}=10")
-                value = args.pop(0)
-            try:
-                opts[key] = int(value)
-            except ValueError:
-                raise config_lib.ConfigError(f"{key}={value!r}: expected an integer") from None
-            if opts[key] < (0 if key == "--warmup" else 1):
-                raise config_lib.ConfigError(f"{key}={value}: too small")
-        elif key == "--config" or key.startswith("--config.") or not key.startswith("--"):
-            rest.append(arg)
-        else:
-            raise config_lib.ConfigError(
-                f"unknown argument {arg!r}; known: --config, --config.KEY=VALUE, "
-                f"{', '.join(COUNTS)}, --constrain-baseline")
-    has_config = any(a == "--config" or a.startswith("--config=") for a in rest)
-    cmd = config_lib.parse_command_line(rest if has_config else ["--config", DEFAULT_CONFIG] + rest,
-                                        flags=())
-    overrides = cmd.overrides if has_config else {**DEFAULT_OVERRIDES, **cmd.overrides}
-    cfg = config_lib.load(cmd.config, overrides)
-    opts = {k.removeprefix("--").replace("-", "_"): v for k, v in opts.items()}
+    cfg, opts = common.parse(argv, COUNTS, ("--constrain-baseline",), DEFAULT_OVERRIDES, __doc__)
     cfg = dataclasses.replace(cfg, steps=opts["warmup"] + opts["repeats"] * opts["steps"])
     config_lib.validate(cfg)
     return cfg, opts
@@ -107,20 +78,15 @@ def parse_args(argv: list[str]) -> tuple[config_lib.Config, dict]:
 class Hetjax:
     def __init__(self, cfg: config_lib.Config, mesh):
         self.cfg = cfg
-        rules = cfg.sharding.rules
-        self.tx = optim.make_optimizer(cfg.optim, cfg.steps)
-        sharding.check_divisible(cfg.model.dims(), rules, mesh)
-        self.graphdef, abstract_state = state_lib.abstract_state(cfg.model, cfg.seed, self.tx)
-        self.state_shardings = state_lib.state_shardings(abstract_state, mesh, rules)
-        self.batch_shardings = step.batch_shardings(mesh, rules)
-        self.train_step = step.compile_train_step(cfg, self.graphdef, self.tx, abstract_state,
-                                                  self.state_shardings, mesh)
-        self.num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_state.params))
+        self.prog, self.train_step = common.train_program(cfg, mesh)
+        self.graphdef, self.tx = self.prog.graphdef, self.prog.tx
+        self.state_shardings, self.batch_shardings = self.prog.state_shardings, self.prog.batch_shardings
+        self.num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(self.prog.state.params))
         self.data = data.build(cfg)
         self.state = self.create_state()
 
     def create_state(self) -> state_lib.TrainState:
-        return state_lib.create_state(self.cfg.model, self.cfg.seed, self.tx, self.state_shardings)
+        return common.initial_state(self.prog)
 
     def batch(self, s: int) -> dict[str, jax.Array]:
         return self.data.batch(s, self.batch_shardings)
@@ -252,13 +218,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def cli() -> int:
-    try:
-        return main()
-    except config_lib.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(common.cli(main))

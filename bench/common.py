@@ -1,0 +1,77 @@
+"""What the config-driven benchmarks share: their command line, and hetjax's train step
+built as hetjax/train.py builds it."""
+
+from __future__ import annotations
+
+import sys
+
+from hetjax import config as config_lib
+from hetjax import pipeline
+from hetjax.compile import aot
+
+DEFAULT_CONFIG = "configs/tiny.py"
+
+
+def parse(argv: list[str], counts: dict[str, tuple[int, int]], switches: tuple[str, ...] = (),
+          default_overrides: dict | None = None, doc: str = "") -> tuple[config_lib.Config, dict]:
+    """The benchmark's own options, then hetjax's --config parsing of the rest.
+
+    counts: integer options, `--name` -> (default, least allowed value); switches:
+    boolean `--name` flags. Without --config, DEFAULT_CONFIG runs with
+    `default_overrides` under the given --config.KEY=VALUE. `--help` prints `doc`.
+    Returns the loaded config (not yet validated: callers adjust steps first) and the
+    options, keyed by name without dashes ("--constrain-baseline" -> "constrain_baseline")."""
+    opts, rest = {**{k: d for k, (d, _) in counts.items()}, **{k: False for k in switches}}, []
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        key, eq, value = arg.partition("=")
+        if arg in ("-h", "--help"):
+            print(doc.strip())
+            sys.exit(0)
+        elif arg in switches:
+            opts[arg] = True
+        elif key in counts:
+            if not eq:
+                if not args:
+                    raise config_lib.ConfigError(f"{arg}: give a value, e.g. {arg}=10")
+                value = args.pop(0)
+            try:
+                opts[key] = int(value)
+            except ValueError:
+                raise config_lib.ConfigError(f"{key}={value!r}: expected an integer") from None
+            if opts[key] < counts[key][1]:
+                raise config_lib.ConfigError(f"{key}={value}: too small (at least {counts[key][1]})")
+        elif key == "--config" or key.startswith("--config.") or not key.startswith("--"):
+            rest.append(arg)
+        else:
+            raise config_lib.ConfigError(
+                f"unknown argument {arg!r}; known: --config, --config.KEY=VALUE, "
+                f"{', '.join([*counts, *switches])}, --help")
+    has_config = any(a == "--config" or a.startswith("--config=") for a in rest)
+    cmd = config_lib.parse_command_line(rest if has_config else ["--config", DEFAULT_CONFIG] + rest,
+                                        flags=())
+    overrides = cmd.overrides if has_config else {**(default_overrides or {}), **cmd.overrides}
+    opts = {k.removeprefix("--").replace("-", "_"): v for k, v in opts.items()}
+    return config_lib.load(cmd.config, overrides), opts
+
+
+def train_program(cfg, mesh):
+    """(aot.program, its compiled train step): hetjax/train.py's path, nothing allocated."""
+    prog = aot.program(cfg, mesh)
+    return prog, pipeline.compile_train_step(cfg, prog.graphdef, prog.tx, prog.state, prog.state_shardings,
+                                             mesh, prog.plan)
+
+
+def initial_state(prog):
+    """The config's initial train state, laid out by the program's shardings."""
+    return pipeline.create_state(prog.cfg, prog.tx, prog.state_shardings, prog.plan)
+
+
+def cli(main) -> int:
+    """Runs main(); a ConfigError is one line on stderr and exit status 2."""
+    try:
+        return main()
+    except config_lib.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
