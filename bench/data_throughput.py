@@ -2,7 +2,7 @@
 
     python -m bench.data_throughput [--config configs/tiny.py] [--steps N] [--config.KEY=VALUE ...]
 
-- train step: the config's compiled train step (step.compile_train_step, state
+- train step: the config's compiled train step (bench.common.train_program, state
   donated) over N batches made and placed beforehand, so it pays no data cost;
   the clock stops when the last step's metrics are on the host.
 - pipeline: hetjax's grain data iterator (data.build(cfg).iterator) with 0 and

@@ -7,8 +7,8 @@ Both sides train the same model (the same NNX Decoder, graphdef and initial
 parameters) with the same optax chain (hetjax.optim.make_optimizer) on the same
 mesh, with the same state and batch shardings and the state donated:
 
-- hetjax: the real path of hetjax/train.py: abstract state, state shardings,
-  step.compile_train_step (make_train_step, jit_train_step, aot.compile); each step
+- hetjax: the real path of hetjax/train.py: aot.program (abstract state and its
+  shardings) and the compiled train step (bench.common.train_program); each step
   takes its batch from the grain data iterator (data loading is part of hetjax's
   cost) and reads the previous step's metrics to the host, as the loop does.
 - baseline: plain jax.value_and_grad of the masked mean token cross-entropy of
