@@ -11,9 +11,9 @@ each case's array (random bits from its seed) and says "sent"; stops at "exit"
 
 `transfer_peer.py recv PROCESS_ID PORT TIMEOUT_S`: process PROCESS_ID of a
 two-process receiving island (its own jax.distributed world, 2 CPU devices each,
-gloo collectives). Says {"host": addresses, "direct": addresses}, then for each line of orders ({"backend", "peers", "cases"}) receives the cases one
-after another (a fan-out is a collective: both processes must run them in the same
-order), checks the shards this process holds against the seed's bits and says,
+gloo collectives). Says {"host": addresses, "direct": addresses}, then for each line of orders ({"backend", "peers", "cases"}) posts a receive for
+every case, waits for them in order (a fan-out is a collective: both processes must
+run them in the same order), checks the shards this process holds against the seed's bits and says,
 per case: {"tag", "ok", "shards", "wire_bytes"}; stops at "exit".
 """
 
@@ -86,12 +86,14 @@ def recv(process_id, port, timeout_s):
     say({b: ep.addresses for b, ep in eps.items()})
     for order in orders():
         ep = eps[order["backend"]]
+        posted = []  # all receives in flight at once, as a pipeline would have them
         for case in order["cases"]:
             dst = Layout.from_json(case["dst"])
             sh = sharding_on(dst, jax.devices())
             assert Layout.of(sh) == dst, (Layout.of(sh), dst)  # the test placed the processes right
             like = jax.ShapeDtypeStruct(tuple(case["shape"]), case["dtype"], sharding=sh)
-            h = ep.recv(case["tag"], like, Layout.from_json(case["src"]), peers=peers_of(order))
+            posted.append((case, sh, ep.recv(case["tag"], like, Layout.from_json(case["src"]), peers=peers_of(order))))
+        for case, sh, h in posted:  # in the same order in both processes: the fan-out is a collective
             y, want = h.wait(), case_array(case).view(BITS[case["dtype"]])
             ok = y.sharding == sh and all(
                 np.array_equal(np.asarray(s.data).view(want.dtype), want[s.index]) for s in y.addressable_shards)
