@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax.transfer import Layout, LinkConfig, TransferTimeout, open_endpoint
 from tests.test_transfer_plan import cases
-from tests.transfer_peer import BITS, PREFIX, case_array, sharding_on
+from tests.transfer_peer import BITS, PREFIX, case_array, shard_bits_match, sharding_on
 
 PEER = Path(__file__).with_name("transfer_peer.py")
 SECRET = "two-process-secret-0123456789"
@@ -74,11 +74,6 @@ class Peer:
 
 def on_one_process(layout: Layout) -> Layout:
     return dataclasses.replace(layout, processes=(0,) * len(layout.processes))
-
-
-def shard_bits_match(y, want) -> bool:
-    """Every shard, replicas included, holds the bits of its block of `want`."""
-    return all(np.array_equal(np.asarray(s.data).view(want.dtype), want[s.index]) for s in y.addressable_shards)
 
 
 # Rows split on one side, columns on the other: jax.experimental.transfer alone would

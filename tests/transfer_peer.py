@@ -43,6 +43,12 @@ def case_array(case):
     return values.view(jax.numpy.dtype(case["dtype"]))
 
 
+def shard_bits_match(y, want) -> bool:
+    """Every shard of `y` this process holds, replicas included, has the bits of its
+    block of `want` (an array of unsigned integers)."""
+    return all(np.array_equal(np.asarray(s.data).view(want.dtype), want[s.index]) for s in y.addressable_shards)
+
+
 def sharding_on(layout: Layout, devices) -> NamedSharding:
     """The layout's NamedSharding over the first devices, in order."""
     grid = np.array(devices[:int(np.prod(layout.mesh_shape))]).reshape(layout.mesh_shape)
@@ -95,9 +101,8 @@ def recv(process_id, port, timeout_s):
             posted.append((case, sh, ep.recv(case["tag"], like, Layout.from_json(case["src"]), peers=peers_of(order))))
         for case, sh, h in posted:  # in the same order in both processes: the fan-out is a collective
             y, want = h.wait(), case_array(case).view(BITS[case["dtype"]])
-            ok = y.sharding == sh and all(
-                np.array_equal(np.asarray(s.data).view(want.dtype), want[s.index]) for s in y.addressable_shards)
-            say({"tag": case["tag"], "ok": bool(ok), "shards": len(y.addressable_shards), "wire_bytes": h.wire_bytes})
+            say({"tag": case["tag"], "ok": y.sharding == sh and shard_bits_match(y, want),
+                 "shards": len(y.addressable_shards), "wire_bytes": h.wire_bytes})
     for ep in eps.values():
         ep.close()
 
