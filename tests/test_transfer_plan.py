@@ -40,10 +40,10 @@ def split_count(layout, d):
 
 
 @st.composite
-def cases(draw):
+def cases(draw, src_devices=8, dst_devices=8):
     ndim = draw(st.integers(1, 3))
-    src = draw(layouts(ndim, names="pqr"))
-    dst = draw(layouts(ndim, names="xyz"))
+    src = draw(layouts(ndim, src_devices, names="pqr"))
+    dst = draw(layouts(ndim, dst_devices, names="xyz"))
     shape = tuple(math.lcm(split_count(src, d), split_count(dst, d)) * draw(st.integers(1, 2)) for d in range(ndim))
     return shape, draw(st.sampled_from([2, 4])), src, dst
 

@@ -1,25 +1,34 @@
-"""Two real processes (separate XLA runtimes): random cases per backend, the direct
-backend's sharding trap, and a killed peer."""
+"""Real processes (separate XLA runtimes): hypothesis-drawn cases per backend, the
+direct backend's sharding trap, a destination island of two jax.distributed
+processes that fans out across them, and a killed peer."""
 
+import dataclasses
+import itertools
 import json
-import math
 import os
+import queue
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hetjax.transfer import Layout, LinkConfig, TransferTimeout, open_endpoint
-from tests.transfer_peer import BITS, case_array
+from tests.test_transfer_plan import cases
+from tests.transfer_peer import BITS, PREFIX, case_array, shard_bits_match, sharding_on
 
 PEER = Path(__file__).with_name("transfer_peer.py")
 SECRET = "two-process-secret-0123456789"
+WAIT_S = 60.0  # for a peer's line: generous on a loaded 2-core machine, but never a hang
 
 
 @pytest.fixture(autouse=True)
@@ -27,83 +36,149 @@ def secret(monkeypatch):
     monkeypatch.setenv("HETJAX_TRANSFER_SECRET", SECRET)
 
 
-def start_peer(backend, timeout_s=30.0):
-    env = dict(os.environ, HETJAX_TRANSFER_SECRET=SECRET)
-    env.pop("XLA_FLAGS", None)
-    child = subprocess.Popen([sys.executable, str(PEER), backend, str(timeout_s)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, env=env)
-    return child, tuple(json.loads(child.stdout.readline()))
+class Peer:
+    """A transfer_peer.py process: JSON orders in on stdin, lines out on stdout."""
+
+    def __init__(self, *args):
+        env = dict(os.environ, HETJAX_TRANSFER_SECRET=SECRET)
+        env.pop("XLA_FLAGS", None)
+        self.child = subprocess.Popen([sys.executable, str(PEER), *map(str, args)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, env=env)
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [self._lines.put(x) for x in self.child.stdout], daemon=True).start()
+
+    def line(self):
+        """The peer's next protocol message (other output, such as gloo's, goes to stderr)."""
+        while True:
+            try:
+                text = self._lines.get(timeout=WAIT_S)
+            except queue.Empty:
+                raise AssertionError(f"peer {self.child.args[2:]} said nothing for {WAIT_S:g} s") from None
+            if text.startswith(PREFIX):
+                return json.loads(text[len(PREFIX):])
+            sys.stderr.write(text)
+
+    def tell(self, order) -> None:
+        self.child.stdin.write(json.dumps(order) + "\n")
+        self.child.stdin.flush()
+
+    def close(self) -> None:
+        try:
+            self.child.stdin.write("exit\n")
+            self.child.stdin.close()
+            self.child.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.child.kill()
+            self.child.wait()
 
 
-def random_cases(seed, n):
-    """Sender meshes over its 4 devices; receiver meshes over our 8, other specs."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        mesh = [(4,), (2, 2), (1, 4)][rng.integers(3)]
-        axes = ("a", "b")[:len(mesh)]
-        spec = [[None, "a"][rng.integers(2)], [None, axes[-1]][rng.integers(2)] if len(axes) > 1 else None]
-        dst_mesh = [(8,), (2, 4), (4, 2)][rng.integers(3)]
-        dst_axes = ("x", "y")[:len(dst_mesh)]
-        dst_spec = [[None, dst_axes[-1]][rng.integers(2)], [None, "x"][rng.integers(2)]]
-        out.append({"shape": [8 * int(rng.integers(1, 3)), 8], "dtype": ["float32", "bfloat16", "int32"][rng.integers(3)],
-                    "seed": int(rng.integers(2**16)), "mesh": mesh, "axes": axes, "spec": spec,
-                    "dst_mesh": dst_mesh, "dst_axes": dst_axes, "dst_spec": dst_spec})
-    return out
+def on_one_process(layout: Layout) -> Layout:
+    return dataclasses.replace(layout, processes=(0,) * len(layout.processes))
 
 
-def dst_sharding(case):
-    devices = np.array(jax.devices()[::-1]).reshape(case["dst_mesh"])
-    return NamedSharding(Mesh(devices, case["dst_axes"]), P(*case["dst_spec"]))
+# Rows split on one side, columns on the other: jax.experimental.transfer alone would
+# hand back wrong data here without an error.
+TRAP = ((8, 8), 4, Layout((4,), ("a",), (0,) * 4, ("a", None)), Layout((2, 4), ("x", "y"), (0,) * 8, (None, "y")))
 
 
 @pytest.mark.parametrize("backend", ["host", "direct"])
-def test_random_cases_across_two_processes(backend):
-    """The `direct` cases include sender and receiver shardings that differ: the trap
-    where jax.experimental.transfer alone returns wrong data without an error."""
-    cases = random_cases({"host": 1, "direct": 2}[backend], 3)
-    cases[0].update(mesh=(4,), axes=("a",), spec=["a", None], dst_mesh=(2, 4), dst_axes=("x", "y"),
-                    dst_spec=[None, "y"])  # rows split on one side, columns on the other: always different
-    child, child_addresses = start_peer(backend)
+def test_drawn_cases_arrive_bit_for_bit_across_two_processes(backend):
+    """Hypothesis draws shape, dtype and both meshes and specs here; one sender process
+    (4 devices) sends each case to this process (8 devices, in reverse order)."""
+    sender = Peer("send", backend, 30.0)
+    sender_addresses = tuple(sender.line())
     ep = open_endpoint(LinkConfig(backend=backend, timeout_s=30))
+    tags = itertools.count()
+
+    @settings(max_examples=15, deadline=None)
+    @example(TRAP, "float32", 7)
+    @given(cases(src_devices=4), st.sampled_from(sorted(BITS)), st.integers(0, 2**16))
+    def check(case, dtype, seed):
+        shape, _, src, dst = case
+        src, dst = on_one_process(src), on_one_process(dst)
+        sh = sharding_on(dst, jax.devices()[::-1])
+        order = {"tag": f"case{next(tags)}", "shape": list(shape), "dtype": dtype, "seed": seed,
+                 "src": src.to_json(), "dst": dst.to_json()}
+        h = ep.recv(order["tag"], jax.ShapeDtypeStruct(shape, dtype, sharding=sh), src, peers={0: sender_addresses})
+        sender.tell({"peers": {0: ep.addresses}, "cases": [order]})
+        y = h.wait()
+        assert sender.line() == "sent"
+        want = case_array(order).view(BITS[dtype])
+        assert y.sharding == sh and shard_bits_match(y, want)
+        assert h.wire_bytes == want.nbytes  # one copy per replica group, however replicated
+
     try:
-        handles = []
-        for k, case in enumerate(cases):
-            sh = dst_sharding(case)
-            src = Layout(tuple(case["mesh"]), tuple(case["axes"]), (0,) * math.prod(case["mesh"]),
-                         tuple(case["spec"]))
-            handles.append(ep.recv(f"case{k}", jax.ShapeDtypeStruct(case["shape"], case["dtype"], sharding=sh),
-                                   src, peers={0: child_addresses}))
-            case["dst"] = Layout.of(sh).to_json()
-        child.stdin.write(json.dumps({"peers": {0: ep.addresses}, "cases": cases}) + "\n")
-        child.stdin.flush()
-        for case, h in zip(cases, handles):
-            y = h.wait()
-            want = case_array(case)
-            assert y.sharding == dst_sharding(case)
-            np.testing.assert_array_equal(np.asarray(y).view(BITS[case["dtype"]]), want.view(BITS[case["dtype"]]))
-            assert h.wire_bytes == want.nbytes
-        assert child.stdout.readline().strip() == "sent"
+        check()
     finally:
-        child.stdin.write("exit\n")
-        child.stdin.close()
-        child.wait(timeout=30)
+        sender.close()
         ep.close()
 
 
-def test_killed_peer_gives_a_timeout_naming_it():
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Destination layouts over a two-process island (process 0 owns the first two mesh
+# positions) and this process's source layouts: (shape, dtype, source, destination).
+SPANNING = [
+    ((8, 8), "float32", Layout((4,), ("a",), (0,) * 4, ("a", None)),
+     Layout((2, 2), ("r", "s"), (0, 0, 1, 1), ("s", None))),  # replicated across the processes
+    ((4, 16), "bfloat16", Layout((2, 2), ("a", "b"), (0,) * 4, (None, "b")),
+     Layout((4,), ("r",), (0, 0, 1, 1), (None, None))),  # replicated on all four devices
+    ((8, 4), "int32", Layout((8,), ("a",), (0,) * 8, ("a", None)),
+     Layout((2, 2), ("r", "s"), (0, 0, 1, 1), (None, "r"))),  # replicas inside each process only
+]
+
+
+def test_destination_of_two_processes_fans_out_across_them():
+    """One copy of each block crosses the link; the destination island's own gloo
+    collective copies it to the replicas in the other process, bit for bit, with
+    several receives in flight at once (they finish in different orders in the two
+    processes; the fan-outs must not)."""
+    port = free_port()
+    receivers = [Peer("recv", i, port, 30.0) for i in range(2)]
+    try:
+        addresses = [r.line() for r in receivers]
+        for backend in ("host", "direct"):
+            ep = open_endpoint(LinkConfig(backend=backend, timeout_s=30))
+            orders = [{"tag": f"{backend}{k}", "shape": list(shape), "dtype": dtype, "seed": k,
+                       "src": src.to_json(), "dst": dst.to_json()} for k, (shape, dtype, src, dst) in enumerate(SPANNING)]
+            for r in receivers:
+                r.tell({"backend": backend, "peers": {0: ep.addresses}, "cases": orders})
+            peers = {i: tuple(a[backend]) for i, a in enumerate(addresses)}
+            # One send after another, while the receives of all wait: a receive with no
+            # data for one process completes there first, before the earlier ones.
+            for order, (_, _, src, dst) in zip(orders, SPANNING):
+                x = jax.device_put(case_array(order), sharding_on(src, jax.devices()))
+                h = ep.send(x, order["tag"], dst, peers=peers)
+                h.wait()
+                got = [r.line() for r in receivers]
+                assert all(g["tag"] == order["tag"] and g["ok"] and g["shards"] == 2 for g in got), got
+                # One copy of each block crossed the link, not one per replica or process.
+                assert h.wire_bytes == sum(g["wire_bytes"] for g in got) == x.nbytes, got
+            ep.close()
+    finally:
+        for r in receivers:
+            r.close()
+
+
+@pytest.mark.parametrize("backend", ["host", "direct"])
+def test_killed_peer_gives_a_timeout_naming_it(backend):
     timeout_s = 3.0
-    child, child_addresses = start_peer("host")
-    ep = open_endpoint(LinkConfig(backend="host", timeout_s=timeout_s))
+    sender = Peer("send", backend, 30.0)
+    sender_addresses = tuple(sender.line())
+    ep = open_endpoint(LinkConfig(backend=backend, timeout_s=timeout_s))
     try:
         sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("x",)), P("x"))
         src = Layout((4,), ("a",), (0,) * 4, ("a",))
         h = ep.recv("case0", jax.ShapeDtypeStruct((8, 8), "float32", sharding=sh), src,
-                    peers={0: child_addresses})
-        child.kill()  # the sender dies before it sends anything
-        child.wait()
+                    peers={0: sender_addresses})
+        sender.child.kill()  # the sender dies before it sends anything
+        sender.child.wait()
         start = time.monotonic()
-        with pytest.raises(TransferTimeout, match=f"from source process 0 at {child_addresses[0]}"):
+        with pytest.raises(TransferTimeout, match=f"source process 0 at {sender_addresses[0]}"):
             h.wait()
         assert time.monotonic() - start < timeout_s + 2
     finally:

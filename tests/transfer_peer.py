@@ -1,9 +1,20 @@
-"""A sending island in its own process, for the two-process transfer tests.
+"""An island's process for the multi-process transfer tests.
 
-Prints its endpoint addresses as one JSON line, reads one JSON line of orders
-({"backend", "peers", "timeout_s", "cases": [{shape, dtype, seed, mesh, axes, spec, dst}]}),
-sends each case's array (random bits from its seed) with tag "case{k}", prints
-"sent" and then waits for "exit" (or to be killed).
+Messages to the test are lines of JSON after PREFIX on stdout; orders come as JSON
+lines on stdin.
+
+`transfer_peer.py send BACKEND TIMEOUT_S`: a one-process sending island with 4 CPU
+devices. Says its endpoint addresses, then for each line of orders ({"peers",
+"cases": [{tag, shape, dtype, seed, src, dst}]}, src and dst as Layout JSON) sends
+each case's array (random bits from its seed) and says "sent"; stops at "exit"
+(or when killed).
+
+`transfer_peer.py recv PROCESS_ID PORT TIMEOUT_S`: process PROCESS_ID of a
+two-process receiving island (its own jax.distributed world, 2 CPU devices each,
+gloo collectives). Says {"host": addresses, "direct": addresses}, then for each line of orders ({"backend", "peers", "cases"}) posts a receive for
+every case, waits for them in order (a fan-out is a collective: both processes must
+run them in the same order), checks the shards this process holds against the seed's bits and says,
+per case: {"tag", "ok", "shards", "wire_bytes"}; stops at "exit".
 """
 
 import json
@@ -11,7 +22,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if sys.argv[1:2] == ['send'] else 2}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
@@ -21,6 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from hetjax.transfer import Layout, LinkConfig, open_endpoint  # noqa: E402
 
+PREFIX = "peer: "
 BITS = {"float32": np.uint32, "bfloat16": np.uint16, "int32": np.uint32}  # each case dtype's bits
 
 
@@ -31,26 +43,73 @@ def case_array(case):
     return values.view(jax.numpy.dtype(case["dtype"]))
 
 
-def main():
-    backend = sys.argv[1]
-    ep = open_endpoint(LinkConfig(backend=backend, timeout_s=float(sys.argv[2])))
-    print(json.dumps(ep.addresses), flush=True)
-    orders = json.loads(sys.stdin.readline())
-    peers = {int(k): tuple(v) for k, v in orders["peers"].items()}
-    handles = []
-    for k, case in enumerate(orders["cases"]):
-        n = int(np.prod(case["mesh"]))
-        mesh = Mesh(np.array(jax.devices()[:n]).reshape(case["mesh"]), tuple(case["axes"]))
-        spec = tuple(tuple(e) if isinstance(e, list) else e for e in case["spec"])
-        x = jax.device_put(case_array(case), NamedSharding(mesh, P(*spec)))
-        handles.append(ep.send(x, f"case{k}", Layout.from_json(case["dst"]), peers=peers))
-    for h in handles:
-        h.wait()
-    print("sent", flush=True)
-    sys.stdin.readline()
+def shard_bits_match(y, want) -> bool:
+    """Every shard of `y` this process holds, replicas included, has the bits of its
+    block of `want` (an array of unsigned integers)."""
+    return all(np.array_equal(np.asarray(s.data).view(want.dtype), want[s.index]) for s in y.addressable_shards)
+
+
+def sharding_on(layout: Layout, devices) -> NamedSharding:
+    """The layout's NamedSharding over the first devices, in order."""
+    grid = np.array(devices[:int(np.prod(layout.mesh_shape))]).reshape(layout.mesh_shape)
+    return NamedSharding(Mesh(grid, layout.axis_names), P(*layout.spec))
+
+
+def say(message) -> None:
+    """One protocol line: others on stdout (gloo prints there) are not for the test."""
+    print(PREFIX + json.dumps(message), flush=True)
+
+
+def orders():
+    """Each line of orders from the test until "exit" (or its stdin closes)."""
+    while (line := sys.stdin.readline().strip()) not in ("", "exit"):
+        yield json.loads(line)
+
+
+def peers_of(order):
+    return {int(k): tuple(v) for k, v in order["peers"].items()}
+
+
+def send(backend, timeout_s):
+    ep = open_endpoint(LinkConfig(backend=backend, timeout_s=timeout_s))
+    say(ep.addresses)
+    for order in orders():
+        handles = []
+        for case in order["cases"]:
+            x = jax.device_put(case_array(case), sharding_on(Layout.from_json(case["src"]), jax.devices()))
+            handles.append(ep.send(x, case["tag"], Layout.from_json(case["dst"]), peers=peers_of(order)))
+        for h in handles:
+            h.wait()
+        say("sent")
     ep.close()
-    os._exit(0)  # a direct-backend server may hold threads; do not wait for them
+
+
+def recv(process_id, port, timeout_s):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=60)
+    eps = {b: open_endpoint(LinkConfig(backend=b, timeout_s=timeout_s)) for b in ("host", "direct")}
+    say({b: ep.addresses for b, ep in eps.items()})
+    for order in orders():
+        ep = eps[order["backend"]]
+        posted = []  # all receives in flight at once, as a pipeline would have them
+        for case in order["cases"]:
+            dst = Layout.from_json(case["dst"])
+            sh = sharding_on(dst, jax.devices())
+            assert Layout.of(sh) == dst, (Layout.of(sh), dst)  # the test placed the processes right
+            like = jax.ShapeDtypeStruct(tuple(case["shape"]), case["dtype"], sharding=sh)
+            posted.append((case, sh, ep.recv(case["tag"], like, Layout.from_json(case["src"]), peers=peers_of(order))))
+        for case, sh, h in posted:  # in the same order in both processes: the fan-out is a collective
+            y, want = h.wait(), case_array(case).view(BITS[case["dtype"]])
+            say({"tag": case["tag"], "ok": y.sharding == sh and shard_bits_match(y, want),
+                 "shards": len(y.addressable_shards), "wire_bytes": h.wire_bytes})
+    for ep in eps.values():
+        ep.close()
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "send":
+        send(sys.argv[2], float(sys.argv[3]))
+    else:
+        recv(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
+    os._exit(0)  # a direct-backend server may hold threads; do not wait for them

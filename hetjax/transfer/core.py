@@ -20,12 +20,15 @@ from hetjax.transfer.plan import Layout, Plan, Region, extent, make_plan
 class Handle:
     """A transfer in flight. `wait()` returns its result (the received pytree for a
     receive, None for a send) or raises; `wire_bytes` counts payload bytes that
-    this process put on (send) or took off (receive) the link."""
+    this process put on (send) or took off (receive) the link. A destination that
+    spans processes fans out in `wait()`: a collective, so every one of its processes
+    must wait for its receives in the same order (as for any jax collective)."""
 
     def __init__(self, future: futures.Future, describe: str, idle=None, timeout_s: float = 0.0):
         self._future, self._describe = future, describe
         self._idle, self._timeout_s = idle, timeout_s  # idle(): seconds since the peer last spoke
         self.wire_bytes = 0
+        self._result = None
 
     @property
     def future(self) -> futures.Future:
@@ -49,7 +52,10 @@ class Handle:
             # Not result(timeout=...): its TimeoutError is the builtin one, which a
             # TransferTimeout raised by the transfer would also match.
             if futures.wait([self._future], timeout=0.05).done:
-                return self._future.result()
+                if self._result is None:
+                    self._result = (jax.tree.map(lambda x: fan_out(x.array) if isinstance(x, Unspread) else x,
+                                                 self._future.result()),)
+                return self._result[0]
             if self._idle is not None and self._idle() > self._timeout_s:
                 raise TransferTimeout(
                     f"{self._describe}: no data for {self._timeout_s:g} s (LinkConfig.timeout_s); "
@@ -202,7 +208,17 @@ def build(aval, plan: Plan, dst: Layout, process: int, blocks: dict[int, object]
             shape = extent(group.region)
             shards.append(jax.device_put(jnp.zeros(shape, aval.dtype), device))
     out = jax.make_array_from_single_device_arrays(tuple(aval.shape), sharding, shards)
-    return fan_out(out) if spans else out
+    return Unspread(out) if spans else out
+
+
+@dataclasses.dataclass
+class Unspread:
+    """A received array whose replicas in other processes still hold zeros. Its fan-out
+    runs in Handle.wait, in program order, never in a transfer thread: those finish in
+    the network's order, which differs between processes, and a collective that the
+    processes enter in different orders deadlocks."""
+
+    array: jax.Array
 
 
 def fan_out(x: jax.Array) -> jax.Array:

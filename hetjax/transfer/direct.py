@@ -88,8 +88,10 @@ class DirectEndpoint(Endpoint):
         for p, items in sorted(wanted.items()):
             uuid = self._uuid(tag, p, self.process, expect.avals, src_layouts, expect.dst)
             address = peers[p][0]
+            # pull() returns at once, its arrays become ready when the data is in: wait for that
+            # here, under the timeout, since an op on them would block their device until then.
             pulls[p] = (address, core.run_async(lambda a=address, u=uuid, s=[sds for _, _, sds in items]:
-                                                self._connection(a).pull(u, s)))
+                                                jax.block_until_ready(self._connection(a).pull(u, s))))
         received = []
         for p, (address, future) in pulls.items():
             if not core.futures.wait([future], timeout=self.cfg.timeout_s).done:
@@ -97,5 +99,9 @@ class DirectEndpoint(Endpoint):
                     f"recv {tag!r}: source process {p} at {address} offered nothing matching within "
                     f"{self.cfg.timeout_s:g} s (LinkConfig.timeout_s): it is gone, or its tag, shapes, "
                     f"dtypes or layouts differ from this receive's")
-            received += [(i, piece, data) for (i, piece, _), data in zip(wanted[p], future.result())]
+            try:
+                arrays = future.result()
+            except jax.errors.JaxRuntimeError as e:  # e.g. the sender died mid-pull
+                raise TransferTimeout(f"recv {tag!r}: lost source process {p} at {address} ({e})") from None
+            received += [(i, piece, data) for (i, piece, _), data in zip(wanted[p], arrays)]
         return core.assemble(expect, self.process, received, handle)
