@@ -31,17 +31,14 @@ import jax  # noqa: E402
 from hetjax import data, pipeline, step  # noqa: E402
 from hetjax.config import Config, MeshConfig, ModelConfig, OptimConfig, PipelineConfig, validate  # noqa: E402
 from hetjax.mesh import make_mesh  # noqa: E402
-from hetjax.optim import learning_rate_schedule  # noqa: E402
 
 
 def build(cfg, devices):
     mesh = make_mesh(cfg.mesh, devices)
     plan, rules, tx, graphdef, shardings, state = pipeline.build(cfg, mesh)
-    lr = learning_rate_schedule(cfg.optim, cfg.steps)
-    fn = (step.make_train_step(graphdef, tx, lr, mesh, rules) if plan is None
-          else pipeline.make_train_step(graphdef, tx, lr, mesh, rules, plan))
     batch_sh = step.batch_shardings(mesh, rules)
-    train_step = step.jit_train_step(fn, shardings, batch_sh, mesh)
+    train_step = step.jit_train_step(pipeline.train_step_fn(cfg, graphdef, tx, mesh, plan), shardings,
+                                     batch_sh, mesh)
     batch = data.build(cfg).batch(0, batch_sh)
     state, metrics = train_step(state, batch)  # compile
     jax.block_until_ready(metrics)

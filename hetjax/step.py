@@ -109,21 +109,25 @@ def abstract_batch(batch_size: int, seq_len: int, shardings: dict) -> dict[str, 
             for k, s in shardings.items()}
 
 
+def compile_step(jit, fn, cfg, abstract, shardings, mesh: Mesh, rules):
+    """jit(fn, ...) (jit_train_step or jit_eval_step) lowered for the abstract state or
+    params and a config-sized batch, and compiled (nothing allocated)."""
+    batch_sh = batch_shardings(mesh, rules)
+    return aot.compile(jit(fn, shardings, batch_sh, mesh), aot.abstract(abstract, shardings),
+                       abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))
+
+
 def compile_train_step(cfg, graphdef, tx, abstract_state: TrainState, state_shardings: TrainState,
                        mesh: Mesh):
-    """The config's train step, lowered for abstract inputs and compiled (nothing allocated)."""
+    """The config's unpipelined train step, lowered for abstract inputs and compiled
+    (nothing allocated). hetjax.pipeline.compile_train_step serves any mesh, pipelined or not."""
     rules = cfg.sharding.rules
     schedule = learning_rate_schedule(cfg.optim, cfg.steps)
     fn = make_train_step(graphdef, tx, schedule, mesh, rules, cfg.optim.grad_accum_steps)
-    batch_sh = batch_shardings(mesh, rules)
-    return aot.compile(jit_train_step(fn, state_shardings, batch_sh, mesh),
-                       aot.abstract(abstract_state, state_shardings),
-                       abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))
+    return compile_step(jit_train_step, fn, cfg, abstract_state, state_shardings, mesh, rules)
 
 
 def compile_eval_step(cfg, graphdef, abstract_params, param_shardings, mesh: Mesh):
     rules = cfg.sharding.rules
-    batch_sh = batch_shardings(mesh, rules)
-    return aot.compile(jit_eval_step(make_eval_step(graphdef, mesh, rules), param_shardings, batch_sh, mesh),
-                       aot.abstract(abstract_params, param_shardings),
-                       abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))
+    return compile_step(jit_eval_step, make_eval_step(graphdef, mesh, rules), cfg, abstract_params,
+                        param_shardings, mesh, rules)

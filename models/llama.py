@@ -222,7 +222,7 @@ class Decoder(nnx.Module):
         if segment_ids is None:
             segment_ids = jnp.ones((B, T), jnp.int32)
         x = self.embed(tokens)
-        x = self.apply_layers(x, positions, segment_ids, nnx.split(self.blocks)[1])
+        x = self.apply_layers(x, positions, segment_ids)
         return self.logits(x)
 
     # The three parts below are also a pipeline's stages: the first stage embeds,
@@ -232,11 +232,12 @@ class Decoder(nnx.Module):
         x = jnp.take(self.embed_VD[...], tokens, axis=0).astype(self.dtype)  # (B, T, D)
         return constrain(x, ("batch", "length", "embed"))
 
-    def apply_layers(self, x, positions, segment_ids, blocks_state, valid=None):
-        """Scans the layers stacked in `blocks_state` (any number of them) over x.
-        `valid` (bool per layer) turns a layer into the identity: pipeline padding."""
+    def apply_layers(self, x, positions, segment_ids, valid=None):
+        """Scans the layers stacked in self.blocks (any number of them: a pipeline stage
+        holds its own) over x. `valid` (bool per layer) turns a layer into the identity:
+        pipeline padding."""
         inv_freq = rope_inv_freq(*self.rope)
-        blocks_def = nnx.graphdef(self.blocks)
+        blocks_def, blocks_state = nnx.split(self.blocks)
 
         def layer(x, state_and_valid):
             state, ok = state_and_valid

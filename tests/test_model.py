@@ -175,6 +175,16 @@ def cross_entropy(logits, targets):
     return jnp.mean(logz - picked)
 
 
+def loss_and_grads(forward, pure, targets):
+    """(mean cross-entropy, logits, gradients) of `forward` (params -> logits) at `pure`, jitted."""
+    def loss(p):
+        logits = forward(p)
+        return cross_entropy(logits, targets), logits
+
+    (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(pure)
+    return value, logits, grads
+
+
 def assert_logits_close(actual, expected, atol=1e-5, rtol=1e-5):
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.shape == expected.shape and actual.dtype == np.float32
@@ -246,14 +256,10 @@ def test_grads_match_reference(name):
     tokens, positions, segment_ids, _ = packed_batch()
     targets = random_ints(7, cfg.vocab_size)
 
-    def model_loss(p):
-        return cross_entropy(model_apply(graphdef, state, p, tokens, positions, segment_ids), targets)
-
-    def ref_loss(p):
-        return cross_entropy(ref.forward(p, tokens, positions, segment_ids, cfg), targets)
-
-    loss_m, grads_m = jax.jit(jax.value_and_grad(model_loss))(pure)
-    loss_r, grads_r = jax.jit(jax.value_and_grad(ref_loss))(pure)
+    loss_m, _, grads_m = loss_and_grads(
+        lambda p: model_apply(graphdef, state, p, tokens, positions, segment_ids), pure, targets)
+    loss_r, _, grads_r = loss_and_grads(
+        lambda p: ref.forward(p, tokens, positions, segment_ids, cfg), pure, targets)
     np.testing.assert_allclose(loss_m, loss_r, rtol=1e-6)
     assert_grads_close(grads_m, grads_r, tol=1e-5)
 
@@ -320,12 +326,8 @@ def test_remat_policies_match(name):
 
     def run(cfg):
         gdef, st, _ = build(cfg)
-
-        def loss(p):
-            logits = model_apply(gdef, st, p, tokens, positions, segment_ids)
-            return cross_entropy(logits, targets), logits
-
-        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(pure)
+        _, logits, grads = loss_and_grads(
+            lambda p: model_apply(gdef, st, p, tokens, positions, segment_ids), pure, targets)
         return logits, grads
 
     logits0, grads0 = run(base_cfg)

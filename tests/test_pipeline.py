@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 
 from hetjax import data, pipeline, sharding, step
-from hetjax import state as state_lib
 from hetjax.compile import aot
 from hetjax.config import (Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, PipelineConfig,
                            validate)
 from hetjax.mesh import make_mesh
-from hetjax.optim import learning_rate_schedule, make_optimizer
+from hetjax.optim import learning_rate_schedule
 from hetjax.pipeline.schedule import check
 from tests.test_sharding import build
 
@@ -249,18 +248,13 @@ def test_1f1b_memory_does_not_grow_with_microbatches_like_gpipe():
         for M in (4, 16):
             cfg = dataclasses.replace(CFG, model=model, mesh=MeshConfig(pipeline=2, fsdp=1),
                                       pipeline=PipelineConfig(kind, M), batch_size=2 * M, seq_len=32)
-            mesh = make_mesh(cfg.mesh, jax.devices()[:2])
-            plan = pipeline.make_plan(cfg, mesh)
+            prog = aot.program(cfg, make_mesh(cfg.mesh, jax.devices()[:2]))
             if kind == "1f1b":
-                assert plan.slots == 1  # the stash: at most S-1 stage inputs, whatever M
-            rules = pipeline.rules(cfg, plan)
-            tx = make_optimizer(cfg.optim, cfg.steps)
-            graphdef, abstract = pipeline.abstract_state(cfg, tx, plan)
-            shardings = state_lib.state_shardings(abstract, mesh, rules)
-            batch_sh = step.batch_shardings(mesh, rules)
-            fn = jax.jit(pipeline.make_grad_fn(graphdef, mesh, rules, plan),
-                         in_shardings=(shardings.params, batch_sh))
-            compiled = aot.compile(fn, aot.abstract(abstract.params, shardings.params),
+                assert prog.plan.slots == 1  # the stash: at most S-1 stage inputs, whatever M
+            params_sh, batch_sh = prog.state_shardings.params, prog.batch_shardings
+            fn = jax.jit(pipeline.make_grad_fn(prog.graphdef, prog.mesh, prog.rules, prog.plan),
+                         in_shardings=(params_sh, batch_sh))
+            compiled = aot.compile(fn, aot.abstract(prog.state.params, params_sh),
                                    step.abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))
             peak[kind, M] = aot.analysis(compiled)["peak_bytes"]
     stage_input = 2 * 32 * 64 * 4  # one micro-batch's (b, T, D) fp32 activation

@@ -27,7 +27,6 @@ from jax import export as jax_export
 from hetjax import config as config_lib
 from hetjax import pipeline, step
 from hetjax.compile import aot, profiles
-from hetjax.optim import learning_rate_schedule
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -48,7 +47,7 @@ def _mesh_record(mesh) -> dict:
 
 def _flat_functions(prog: aot.Program):
     """(name -> (jitted flat function, abstract args, input paths, output paths))."""
-    cfg, mesh, rules = prog.cfg, prog.mesh, prog.rules
+    cfg, mesh = prog.cfg, prog.mesh
     state_flat, state_def = jax.tree_util.tree_flatten_with_path(prog.state)
     state_paths = [jax.tree_util.keystr(k) for k, _ in state_flat]
     state_leaves = [leaf for _, leaf in state_flat]
@@ -56,13 +55,8 @@ def _flat_functions(prog: aot.Program):
     params_leaves, params_def = jax.tree.flatten(prog.state.params)
     params_sh = params_def.flatten_up_to(prog.state_shardings.params)
     batch = step.abstract_batch(cfg.batch_size, cfg.seq_len, prog.batch_shardings)
-    lr = learning_rate_schedule(cfg.optim, cfg.steps)
-    if prog.plan is None:
-        train = step.make_train_step(prog.graphdef, prog.tx, lr, mesh, rules, cfg.optim.grad_accum_steps)
-        evaluate = step.make_eval_step(prog.graphdef, mesh, rules)
-    else:
-        train = pipeline.make_train_step(prog.graphdef, prog.tx, lr, mesh, rules, prog.plan)
-        evaluate = pipeline.make_eval_step(prog.graphdef, mesh, rules, prog.plan)
+    train = pipeline.train_step_fn(cfg, prog.graphdef, prog.tx, mesh, prog.plan)
+    evaluate = pipeline.eval_step_fn(cfg, prog.graphdef, mesh, prog.plan)
 
     def train_flat(leaves, batch):
         new_state, metrics = train(state_def.unflatten(leaves), batch)

@@ -9,7 +9,6 @@ from flax import nnx
 
 from hetjax import state as state_lib
 from hetjax import step
-from hetjax.compile import aot
 from hetjax.optim import learning_rate_schedule
 from hetjax.pipeline.spmd import Plan, make_eval_step, make_train_step, sharding_rules
 from hetjax.pipeline.stages import to_stages
@@ -59,23 +58,28 @@ def create_state(cfg, tx, shardings, plan: Plan | None):
     return jax.jit(lambda: _init(cfg, tx, plan), out_shardings=shardings)()
 
 
-def compile_train_step(cfg, graphdef, tx, abstract, shardings, mesh, plan: Plan | None):
+def train_step_fn(cfg, graphdef, tx, mesh, plan: Plan | None):
+    """The pure train step for cfg on mesh: hetjax.step's when plan is None, else the
+    pipelined one. Everything that builds a step (train, plan, export, benches) chooses here."""
+    r, lr = rules(cfg, plan), learning_rate_schedule(cfg.optim, cfg.steps)
     if plan is None:
-        return step.compile_train_step(cfg, graphdef, tx, abstract, shardings, mesh)
+        return step.make_train_step(graphdef, tx, lr, mesh, r, cfg.optim.grad_accum_steps)
+    return make_train_step(graphdef, tx, lr, mesh, r, plan)
+
+
+def eval_step_fn(cfg, graphdef, mesh, plan: Plan | None):
+    """The pure eval step, (params, batch) -> {"loss_sum", "tokens"}, chosen like train_step_fn."""
     r = rules(cfg, plan)
-    fn = make_train_step(graphdef, tx, learning_rate_schedule(cfg.optim, cfg.steps), mesh, r, plan)
-    batch_sh = step.batch_shardings(mesh, r)
-    return aot.compile(step.jit_train_step(fn, shardings, batch_sh, mesh),
-                       aot.abstract(abstract, shardings),
-                       step.abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))
+    return step.make_eval_step(graphdef, mesh, r) if plan is None else make_eval_step(graphdef, mesh, r, plan)
+
+
+def compile_train_step(cfg, graphdef, tx, abstract, shardings, mesh, plan: Plan | None):
+    """train_step_fn jitted (state donated), lowered for abstract inputs and compiled."""
+    return step.compile_step(step.jit_train_step, train_step_fn(cfg, graphdef, tx, mesh, plan), cfg,
+                             abstract, shardings, mesh, rules(cfg, plan))
 
 
 def compile_eval_step(cfg, graphdef, abstract_params, param_shardings, mesh, plan: Plan | None):
-    if plan is None:
-        return step.compile_eval_step(cfg, graphdef, abstract_params, param_shardings, mesh)
-    r = rules(cfg, plan)
-    batch_sh = step.batch_shardings(mesh, r)
-    return aot.compile(step.jit_eval_step(make_eval_step(graphdef, mesh, r, plan), param_shardings,
-                                          batch_sh, mesh),
-                       aot.abstract(abstract_params, param_shardings),
-                       step.abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))
+    """eval_step_fn jitted, lowered for abstract inputs and compiled."""
+    return step.compile_step(step.jit_eval_step, eval_step_fn(cfg, graphdef, mesh, plan), cfg,
+                             abstract_params, param_shardings, mesh, rules(cfg, plan))

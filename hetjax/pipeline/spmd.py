@@ -110,6 +110,28 @@ def _inside(body, rules):
     return wrapped
 
 
+def _stage_setup(graphdef, plan: Plan, params, micro):
+    """Inside the shard_map: (this stage's index, its valid layers or None, pick(m) ->
+    micro-batch m (any m < 0 picks 0), a zero stage activation)."""
+    s = jax.lax.axis_index(AXIS)
+    valid = jnp.asarray(plan.layout.valid())[s] if plan.layout.padded else None
+
+    def pick(m):
+        return jax.tree.map(lambda v: v[jnp.maximum(m, 0)], micro)
+
+    act = jax.eval_shape(lambda: stage_forward(graphdef, params, None, pick(0), first=True,
+                                               last=False, valid=valid))
+    return s, valid, pick, jnp.zeros(act.shape, act.dtype)
+
+
+def _run_stages(body, mesh: Mesh, rules, plan: Plan, params, batch, out_specs):
+    """body(params, micro-batches) on every stage: `pipeline` manual, the other axes automatic."""
+    with sharding.logical_rules(mesh, rules):
+        micro = jax.tree.map(lambda x: step._split_micro(x, plan.microbatches), batch)
+        return jax.shard_map(_inside(body, rules), mesh=mesh, in_specs=(_specs(params), P()),
+                             out_specs=out_specs, axis_names={AXIS}, check_vma=False)(params, micro)
+
+
 def _gather_free(mesh: Mesh) -> bool:
     return sum(mesh.shape[a] > 1 for a in ("data", "fsdp", "tensor")) > 1
 
@@ -133,21 +155,12 @@ def make_grad_fn(graphdef, mesh: Mesh, rules, plan: Plan):
     sched = plan.schedule
     work, combos = _work_table(sched)
     tables = tuple(jnp.asarray(t) for t in (sched.forward, sched.backward, sched.arrivals(), work))
-    valid_table = jnp.asarray(plan.layout.valid()) if plan.layout.padded else None
     gather_free = _gather_free(mesh)
     to_next = [(i, i + 1) for i in range(S - 1)]
     to_prev = [(i + 1, i) for i in range(S - 1)]
 
     def body(params, micro):
-        s = jax.lax.axis_index(AXIS)
-        valid = None if valid_table is None else valid_table[s]
-
-        def pick(m):
-            return jax.tree.map(lambda v: v[jnp.maximum(m, 0)], micro)
-
-        act = jax.eval_shape(lambda: stage_forward(graphdef, params, None, pick(0), first=True,
-                                                   last=False, valid=valid))
-        zeros_act = jnp.zeros(act.shape, act.dtype)
+        s, valid, pick, zeros_act = _stage_setup(graphdef, plan, params, micro)
         zero_grads = jax.tree.map(jnp.zeros_like, params)
 
         def branch(kind, fwd, bwd):
@@ -182,7 +195,7 @@ def make_grad_fn(graphdef, mesh: Mesh, rules, plan: Plan):
             recv_dx = jax.lax.ppermute(dx, AXIS, to_prev)
             return (stash, recv_x, recv_dx, grads, loss + l), None
 
-        stash = jnp.zeros((K, *act.shape), act.dtype)
+        stash = jnp.zeros((K, *zeros_act.shape), zeros_act.dtype)
         init = (stash, zeros_act, zeros_act, zero_grads, jnp.zeros((), jnp.float32))
         (_, _, _, grads, loss), _ = jax.lax.scan(tick, init, tables)
         # Embedding and head gradients come from the first and last stages.
@@ -190,12 +203,7 @@ def make_grad_fn(graphdef, mesh: Mesh, rules, plan: Plan):
         return jax.lax.psum(loss, AXIS), grads
 
     def grad_fn(params, batch):
-        with sharding.logical_rules(mesh, rules):
-            micro = jax.tree.map(lambda x: step._split_micro(x, plan.microbatches), batch)
-            specs = _specs(params)
-            run = jax.shard_map(_inside(body, rules), mesh=mesh, in_specs=(specs, P()), out_specs=(P(), specs),
-                                axis_names={AXIS}, check_vma=False)
-            loss, grads = run(params, micro)
+        loss, grads = _run_stages(body, mesh, rules, plan, params, batch, (P(), _specs(params)))
         return loss, jnp.sum(batch["loss_mask"].astype(jnp.float32)), grads
 
     return grad_fn
@@ -214,22 +222,14 @@ def make_train_step(graphdef, tx, lr_schedule, mesh: Mesh, rules, plan: Plan):
 
 def make_eval_step(graphdef, mesh: Mesh, rules, plan: Plan):
     """Forward only: micro-batch m is on stage s at tick m+s; the last stage adds up the loss."""
-    S, M = plan.stages, plan.microbatches
-    forward_table = jnp.asarray(forward_only(S, M))
+    S = plan.stages
+    forward_table = jnp.asarray(forward_only(S, plan.microbatches))
     gather_free = _gather_free(mesh)
-    valid_table = jnp.asarray(plan.layout.valid()) if plan.layout.padded else None
 
     def body(params, micro):
-        s = jax.lax.axis_index(AXIS)
+        s, valid, pick, zeros_act = _stage_setup(graphdef, plan, params, micro)
         kind = jnp.where(s == 0, 0, jnp.where(s == S - 1, 2, 1))
-        valid = None if valid_table is None else valid_table[s]
-
-        def pick(m):
-            return jax.tree.map(lambda v: v[jnp.maximum(m, 0)], micro)
-
-        act = jax.eval_shape(lambda: stage_forward(graphdef, params, None, pick(0), first=True,
-                                                   last=False, valid=valid))
-        zero = (jnp.zeros(act.shape, act.dtype), jnp.zeros((), jnp.float32))
+        zero = (zeros_act, jnp.zeros((), jnp.float32))
 
         def run(first, last):
             def branch(x, mb):
@@ -250,10 +250,7 @@ def make_eval_step(graphdef, mesh: Mesh, rules, plan: Plan):
         return jax.lax.psum(loss, AXIS)
 
     def eval_step(params, batch):
-        with sharding.logical_rules(mesh, rules):
-            micro = jax.tree.map(lambda x: step._split_micro(x, M), batch)
-            loss = jax.shard_map(_inside(body, rules), mesh=mesh, in_specs=(_specs(params), P()), out_specs=P(),
-                                 axis_names={AXIS}, check_vma=False)(params, micro)
+        loss = _run_stages(body, mesh, rules, plan, params, batch, P())
         return {"loss_sum": loss, "tokens": jnp.sum(batch["loss_mask"].astype(jnp.float32))}
 
     return eval_step

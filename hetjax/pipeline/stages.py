@@ -140,7 +140,7 @@ def stage_forward(graphdef, params, x, batch, *, first: bool, last: bool, valid=
     model = nnx.merge(graphdef, params)
     if first:
         x = _one_hot_embed(model, batch["inputs"]) if gather_free else model.embed(batch["inputs"])
-    x = model.apply_layers(x, batch["positions"], batch["segment_ids"], nnx.state(model.blocks), valid)
+    x = model.apply_layers(x, batch["positions"], batch["segment_ids"], valid)
     if not last:
         return x
     logits = model.logits(x)  # (b, T, V) fp32
