@@ -1,13 +1,16 @@
 """Tokens/s the data pipeline delivers against tokens/s the train step consumes, in one run.
 
-    python -m bench.data_throughput [--config configs/tiny.py] [--steps N] [--config.KEY=VALUE ...]
+    python -m bench.data_throughput [--config configs/tiny.py] [--steps N] [--pipeline-steps P]
+        [--config.KEY=VALUE ...]
 
 - train step: the config's compiled train step (bench.common.train_program, state
   donated) over N batches made and placed beforehand, so it pays no data cost;
   the clock stops when the last step's metrics are on the host.
 - pipeline: hetjax's grain data iterator (data.build(cfg).iterator) with 0 and
-  with 2 grain worker processes, N global batches each, as sharded jax.Arrays
-  ready on the devices; worker start-up (before the first batch) is not timed.
+  with 2 grain worker processes, P global batches each (default 1000: the pipeline
+  is ten times faster than the step, and 50 batches last ~0.1 s, too short to time
+  on a shared machine), as sharded jax.Arrays ready on the devices; worker start-up
+  (before the first batch) is not timed.
 
 Both on the config's mesh and batch shape; the last line is the ratio of the
 pipeline's tokens/s to the train step's (the target is >= 10: the data never
@@ -28,11 +31,11 @@ from hetjax import data, step
 from hetjax.mesh import describe, make_mesh
 
 
-def parse(argv: list[str]) -> tuple[config_lib.Config, int]:
-    cfg, opts = common.parse(argv, {"--steps": (50, 1)}, doc=__doc__)
-    cfg = dataclasses.replace(cfg, steps=max(cfg.steps, opts["steps"] + 1))
+def parse(argv: list[str]) -> tuple[config_lib.Config, int, int]:
+    cfg, opts = common.parse(argv, {"--steps": (50, 1), "--pipeline-steps": (1000, 1)}, doc=__doc__)
+    cfg = dataclasses.replace(cfg, steps=max(cfg.steps, opts["steps"] + 1, opts["pipeline_steps"] + 2))
     config_lib.validate(cfg)
-    return cfg, opts["steps"]
+    return cfg, opts["steps"], opts["pipeline_steps"]
 
 
 def train_step_rate(cfg, mesh, batches) -> float:
@@ -62,19 +65,20 @@ def pipeline_rate(dataset, shardings, steps: int, workers: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, steps = parse(sys.argv[1:] if argv is None else argv)
+    cfg, steps, pipeline_steps = parse(sys.argv[1:] if argv is None else argv)
     mesh = make_mesh(cfg.mesh)
     shardings = step.batch_shardings(mesh, cfg.sharding.rules)
     dataset = data.build(cfg)
     print(f"{cfg.name}: batch {cfg.batch_size} x {cfg.seq_len} on mesh {describe(mesh)} "
-          f"({mesh.devices.flat[0].device_kind}); data {dataset.description}; {steps} steps each",
+          f"({mesh.devices.flat[0].device_kind}); data {dataset.description}; {steps} train steps, "
+          f"{pipeline_steps} pipeline batches",
           flush=True)
     batches = jax.block_until_ready([dataset.batch(s, shardings) for s in range(steps)])
     consumed = train_step_rate(cfg, mesh, batches)
     print(f"train step consumes {consumed:12,.0f} tokens/s", flush=True)
     delivered = {}
     for workers in (0, 2):
-        delivered[workers] = pipeline_rate(dataset, shardings, steps, workers)
+        delivered[workers] = pipeline_rate(dataset, shardings, pipeline_steps, workers)
         print(f"pipeline, {workers} workers {delivered[workers]:12,.0f} tokens/s", flush=True)
     print(f"tokens/s ratio pipeline/train step: {delivered[0] / consumed:.1f} with 0 workers, "
           f"{delivered[2] / consumed:.1f} with 2 workers", flush=True)
