@@ -18,11 +18,10 @@ import time
 
 import jax
 
-from hetjax import checkpoint, data, step
-from hetjax import state as state_lib
+from bench import common
+from hetjax import checkpoint, data
 from hetjax.config import CheckpointConfig, Config, MeshConfig, ModelConfig
 from hetjax.mesh import make_mesh
-from hetjax.optim import make_optimizer
 
 
 def main() -> None:
@@ -38,14 +37,10 @@ def main() -> None:
                                    num_kv_heads=2, head_dim=d // 4), mesh=MeshConfig(fsdp=-1),
                  batch_size=args.batch, seq_len=128, steps=10_000)
     mesh = make_mesh(cfg.mesh)
-    tx = make_optimizer(cfg.optim, cfg.steps)
-    graphdef, abstract = state_lib.abstract_state(cfg.model, cfg.seed, tx)
-    shardings = state_lib.state_shardings(abstract, mesh, cfg.sharding.rules)
-    state = state_lib.create_state(cfg.model, cfg.seed, tx, shardings)
-    train_step = step.compile_train_step(cfg, graphdef, tx, abstract, shardings, mesh)
+    prog, train_step = common.train_program(cfg, mesh)
+    state = common.initial_state(prog)
     dataset = data.build(cfg)
-    batch_sh = step.batch_shardings(mesh, cfg.sharding.rules)
-    batches = [dataset.batch(s, batch_sh) for s in range(args.steps)]
+    batches = [dataset.batch(s, prog.batch_shardings) for s in range(args.steps)]
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     print(f"{sum(x.size for x in jax.tree.leaves(state.params)):,} parameters, {nbytes / 2**20:.1f} MiB of "
           f"state per checkpoint, on {len(jax.devices())} {jax.devices()[0].platform} device(s)")

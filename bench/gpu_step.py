@@ -75,14 +75,14 @@ def main(argv: list[str]) -> int:
     import jax.numpy as jnp
     from hetjax import data, metrics
     from hetjax import state as state_lib
-    from hetjax import step as step_lib
+    from hetjax import pipeline
     from hetjax.compile import aot, hardware
     from hetjax.mesh import make_mesh
 
     mesh = make_mesh(cfg.mesh)
     prog = aot.program(cfg, mesh)
-    train_step = step_lib.compile_train_step(cfg, prog.graphdef, prog.tx, prog.state,
-                                             prog.state_shardings, mesh)
+    train_step = pipeline.compile_train_step(cfg, prog.graphdef, prog.tx, prog.state,
+                                             prog.state_shardings, mesh, prog.plan)
     state = state_lib.create_state(cfg.model, cfg.seed, prog.tx, prog.state_shardings)
     dataset = data.build(cfg)
     batches = [dataset.batch(s, prog.batch_shardings) for s in range(4)]

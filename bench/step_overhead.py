@@ -68,6 +68,10 @@ def parse_args(argv: list[str]) -> tuple[config_lib.Config, dict]:
     cfg, opts = common.parse(argv, COUNTS, ("--constrain-baseline",), DEFAULT_OVERRIDES, __doc__)
     cfg = dataclasses.replace(cfg, steps=opts["warmup"] + opts["repeats"] * opts["steps"])
     config_lib.validate(cfg)
+    if cfg.mesh.pipeline > 1:  # the hand-written baseline is the unpipelined model
+        raise config_lib.ConfigError(
+            f"config.mesh.pipeline={cfg.mesh.pipeline}: this bench compares unpipelined steps; "
+            f"use bench/pipeline_bubble.py for pipelines")
     return cfg, opts
 
 

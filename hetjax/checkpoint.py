@@ -258,26 +258,26 @@ class Manager:
             return self._manager.restore(step, args=ocp.args.Composite(
                 **{k: ocp.args.JsonRestore() for k in items}))
         except Exception as e:
-            raise CorruptCheckpoint(f"{self._where(step)} is unreadable ({type(e).__name__}: {e})") from e
+            raise CorruptCheckpoint(f"{self.where(step)} is unreadable ({type(e).__name__}: {e})") from e
 
     def read(self, step: int, arrays: dict, json_items: tuple[str, ...] = ()):
         """(JSON items, array items) of checkpoint `step`: meta and `json_items`, and
         each array item of `arrays` (name -> (abstract tree, shardings)) laid out by
         its shardings, after checking the parameter shapes; the arrays read are
         checksummed again against those written at save time."""
-        where = self._where(step)
+        where = self.where(step)
         small = self.read_json(step, "meta", *json_items)
         check_shapes(self._item_metadata(step, "params", where), arrays["params"][0], where, small.get("config"))
         try:
-            read = self._manager.restore(step, args=ocp.args.Composite(
+            loaded = self._manager.restore(step, args=ocp.args.Composite(
                 **{k: ocp.args.StandardRestore(aot.abstract(a, s)) for k, (a, s) in arrays.items()}))
         except Exception as e:
             raise CorruptCheckpoint(f"{where} is unreadable ({type(e).__name__}: {e})") from e
         expected = {k: v for k, v in small.meta.get("checksums", {}).items() if k.split("/")[0] in arrays}
-        verify(expected, {k: read[k] for k in arrays}, where)
-        return small, read
+        verify(expected, {k: loaded[k] for k in arrays}, where)
+        return small, loaded
 
-    def _where(self, step: int) -> str:
+    def where(self, step: int) -> str:
         return f"checkpoint step {step} in {self.directory}"
 
     def _item_metadata(self, step, item, where):
@@ -358,7 +358,7 @@ def load_params(path: str | Path, abstract_params, param_shardings, log=print):
     manager = Manager(directory, read_only=True)
     errors = []
     for s in reversed(manager.steps() if step is None else [step]):
-        where = manager._where(s)
+        where = manager.where(s)
         try:
             small, arrays = manager.read(s, {"params": (abstract_params, param_shardings)})
         except CorruptCheckpoint as e:

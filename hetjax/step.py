@@ -11,7 +11,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hetjax import sharding
 from hetjax.compile import aot
 from hetjax.data import packing
-from hetjax.optim import learning_rate_schedule
 from hetjax.state import TrainState
 
 BATCH_AXES = ("batch", "length")
@@ -115,19 +114,3 @@ def compile_step(jit, fn, cfg, abstract, shardings, mesh: Mesh, rules):
     batch_sh = batch_shardings(mesh, rules)
     return aot.compile(jit(fn, shardings, batch_sh, mesh), aot.abstract(abstract, shardings),
                        abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))
-
-
-def compile_train_step(cfg, graphdef, tx, abstract_state: TrainState, state_shardings: TrainState,
-                       mesh: Mesh):
-    """The config's unpipelined train step, lowered for abstract inputs and compiled
-    (nothing allocated). hetjax.pipeline.compile_train_step serves any mesh, pipelined or not."""
-    rules = cfg.sharding.rules
-    schedule = learning_rate_schedule(cfg.optim, cfg.steps)
-    fn = make_train_step(graphdef, tx, schedule, mesh, rules, cfg.optim.grad_accum_steps)
-    return compile_step(jit_train_step, fn, cfg, abstract_state, state_shardings, mesh, rules)
-
-
-def compile_eval_step(cfg, graphdef, abstract_params, param_shardings, mesh: Mesh):
-    rules = cfg.sharding.rules
-    return compile_step(jit_eval_step, make_eval_step(graphdef, mesh, rules), cfg, abstract_params,
-                        param_shardings, mesh, rules)

@@ -49,11 +49,17 @@ class Peer:
 
     def line(self):
         """The peer's next protocol message (other output, such as gloo's, goes to stderr)."""
+        deadline = time.monotonic() + WAIT_S
         while True:
             try:
-                text = self._lines.get(timeout=WAIT_S)
+                text = self._lines.get(timeout=0.5)
             except queue.Empty:
-                raise AssertionError(f"peer {self.child.args[2:]} said nothing for {WAIT_S:g} s") from None
+                if self.child.poll() is not None and self._lines.empty():
+                    raise AssertionError(f"peer {self.child.args[2:]} exited ({self.child.returncode})") from None
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"peer {self.child.args[2:]} said nothing for {WAIT_S:g} s") from None
+                continue
+            deadline = time.monotonic() + WAIT_S
             if text.startswith(PREFIX):
                 return json.loads(text[len(PREFIX):])
             sys.stderr.write(text)
@@ -104,7 +110,8 @@ def test_drawn_cases_arrive_bit_for_bit_across_two_processes(backend):
         y = h.wait()
         assert sender.line() == "sent"
         want = case_array(order).view(BITS[dtype])
-        assert y.sharding == sh and shard_bits_match(y, want)
+        assert y.sharding == sh and len(y.addressable_shards) == len(sh.device_set)
+        assert shard_bits_match(y, want)
         assert h.wire_bytes == want.nbytes  # one copy per replica group, however replicated
 
     try:

@@ -143,7 +143,9 @@ def _work_table(sched: Schedule) -> tuple[np.ndarray, list[tuple[int, bool, bool
     S = sched.stages
     kind = np.array([0] + [1] * (S - 2) + [2])
     fwd = (sched.forward >= 0) & (kind < 2)
-    combos = np.stack(np.broadcast_arrays(kind, fwd, sched.backward >= 0), -1).reshape(-1, 3)
+    bwd = sched.backward >= 0
+    kind = np.where(fwd | bwd, kind, 0)  # an idle tick is the same on every stage: one branch
+    combos = np.stack(np.broadcast_arrays(kind, fwd, bwd), -1).reshape(-1, 3)
     unique, index = np.unique(combos, axis=0, return_inverse=True)
     return (index.reshape(fwd.shape).astype(np.int32),
             [(int(k), bool(f), bool(b)) for k, f, b in unique])

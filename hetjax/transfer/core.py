@@ -24,11 +24,12 @@ class Handle:
     spans processes fans out in `wait()`: a collective, so every one of its processes
     must wait for its receives in the same order (as for any jax collective)."""
 
-    def __init__(self, future: futures.Future, describe: str, idle=None, timeout_s: float = 0.0):
+    def __init__(self, future: futures.Future | None, describe: str):
         self._future, self._describe = future, describe
-        self._idle, self._timeout_s = idle, timeout_s  # idle(): seconds since the peer last spoke
+        self._idle, self._timeout_s = None, 0.0  # see watch()
         self.wire_bytes = 0
         self._result = None
+        self._lock = threading.Lock()  # one fan-out: a second would be a collective on this process only
 
     @property
     def future(self) -> futures.Future:
@@ -52,14 +53,28 @@ class Handle:
             # Not result(timeout=...): its TimeoutError is the builtin one, which a
             # TransferTimeout raised by the transfer would also match.
             if futures.wait([self._future], timeout=0.05).done:
-                if self._result is None:
-                    self._result = (jax.tree.map(lambda x: fan_out(x.array) if isinstance(x, Unspread) else x,
-                                                 self._future.result()),)
+                with self._lock:
+                    if self._result is None:
+                        self._result = (self._spread(self._future.result()),)
                 return self._result[0]
             if self._idle is not None and self._idle() > self._timeout_s:
                 raise TransferTimeout(
                     f"{self._describe}: no data for {self._timeout_s:g} s (LinkConfig.timeout_s); "
                     f"the peer stopped answering or never sent")
+
+    def _spread(self, tree):
+        """Fans out the arrays whose replica groups span processes. The collective waits
+        for every process of the destination; one that never joins (its receive failed,
+        it died) gives a TransferTimeout after timeout_s, not a hang."""
+        if not any(isinstance(x, Unspread) for x in jax.tree.leaves(tree)):
+            return tree
+        future = run_async(lambda: jax.block_until_ready(
+            jax.tree.map(lambda x: fan_out(x.array) if isinstance(x, Unspread) else x, tree)))
+        if not futures.wait([future], timeout=self._timeout_s or None).done:
+            raise TransferTimeout(
+                f"{self._describe}: the destination's other processes did not join its fan-out "
+                f"within {self._timeout_s:g} s (LinkConfig.timeout_s); one of them failed or died")
+        return future.result()
 
 
 def check_peers(peers, processes, what: str, role: str) -> None:
@@ -186,9 +201,10 @@ def assemble(expect: Expect, process: int, received, handle: Handle):
     return jax.tree.unflatten(expect.treedef, out)
 
 
-def build(aval, plan: Plan, dst: Layout, process: int, blocks: dict[int, object]) -> jax.Array:
+def build(aval, plan: Plan, dst: Layout, process: int, blocks: dict[int, object]) -> jax.Array | Unspread:
     """The destination jax.Array from the blocks this process received (group index ->
-    host or device array), fanned out to every replica in the destination mesh."""
+    host or device array), copied to every replica in this process. When a replica
+    group spans processes, an Unspread whose fan-out Handle.wait runs."""
     sharding = aval.sharding
     devices = list(sharding.mesh.devices.flat)
     group_of = {m: gi for gi, g in enumerate(plan.groups) for m in g.members}

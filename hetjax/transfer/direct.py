@@ -12,7 +12,8 @@ without the secret cannot name an offer, and a receive whose tag, shape, dtype o
 layout differs from the send matches no offer and times out naming the peer. The
 transport is TCP; there is no per-chunk checksum on this path (use `host` for one).
 Pulls have no working deadline in jax (a dead sender blocks them forever), so each
-pull runs in a daemon thread that we stop waiting for after timeout_s.
+pull runs in a daemon thread that we stop waiting for after timeout_s. Here timeout_s
+bounds each source's whole transfer, data included (`host` times out on silence).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class DirectEndpoint(Endpoint):
                 wanted.setdefault(piece.src_process, []).append((i, piece, sds))
         core.check_peers(peers, wanted, f"recv {tag!r}", "source")
         handle = core.Handle(None, f"recv {tag!r}")
+        handle.watch(None, self.cfg.timeout_s)  # bounds the fan-out; pulls have their own wait
         return handle.run(self._receive, tag, expect, src_layouts, wanted, peers, handle)
 
     def _connection(self, address):
@@ -96,12 +98,15 @@ class DirectEndpoint(Endpoint):
         for p, (address, future) in pulls.items():
             if not core.futures.wait([future], timeout=self.cfg.timeout_s).done:
                 raise TransferTimeout(
-                    f"recv {tag!r}: source process {p} at {address} offered nothing matching within "
-                    f"{self.cfg.timeout_s:g} s (LinkConfig.timeout_s): it is gone, or its tag, shapes, "
+                    f"recv {tag!r}: source process {p} at {address} sent nothing matching, or not all "
+                    f"of it, within {self.cfg.timeout_s:g} s (LinkConfig.timeout_s, which bounds the whole "
+                    f"transfer on this backend): it is gone, too slow for the limit, or its tag, shapes, "
                     f"dtypes or layouts differ from this receive's")
             try:
                 arrays = future.result()
-            except jax.errors.JaxRuntimeError as e:  # e.g. the sender died mid-pull
+            except jax.errors.JaxRuntimeError as e:
+                # The sender died mid-pull: reported as the timeout a silent sender gives,
+                # so callers catch one error for a lost peer on every backend.
                 raise TransferTimeout(f"recv {tag!r}: lost source process {p} at {address} ({e})") from None
             received += [(i, piece, data) for (i, piece, _), data in zip(wanted[p], arrays)]
         return core.assemble(expect, self.process, received, handle)

@@ -38,7 +38,7 @@ class LinkConfig:
     port: int = 0  # 0: any free port (the endpoint reports its addresses)
     secret_env: str = "HETJAX_TRANSFER_SECRET"  # the job's shared secret, from this variable...
     secret_file: str = ""  # ...or from this file when set
-    timeout_s: float = 60.0  # a peer silent this long raises TransferTimeout
+    timeout_s: float = 60.0  # host: a peer silent this long; direct: a whole pull; TransferTimeout
     chunk_bytes: int = 8 << 20  # unit of checksums and of copy/transfer overlap
     checksum: str = "crc32"  # crc32 | adler32 (per chunk)
 
