@@ -4,6 +4,7 @@ import logging
 import math
 import socket
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -209,3 +210,32 @@ def test_bad_link_config_names_the_field(monkeypatch):
         open_endpoint(LinkConfig(backend="host"))
     with pytest.raises(ConfigError, match="secret_file='/nonexistent'"):
         open_endpoint(LinkConfig(secret_file="/nonexistent"))
+
+
+def test_a_fan_out_that_other_processes_never_join_times_out(monkeypatch):
+    """A destination process whose partners never enter the fan-out's collective (they
+    failed or died) gets a TransferTimeout after timeout_s, not a hang. The collective
+    is stood in for by a call that never returns; a joined one runs exactly once."""
+    from concurrent import futures
+
+    from hetjax.transfer import core
+    never = threading.Event()
+    monkeypatch.setattr(core, "fan_out", lambda x: never.wait())
+    done = futures.Future()
+    done.set_result({"w": core.Unspread(jnp.zeros(4))})
+    handle = core.Handle(done, "recv 'w'")
+    handle.watch(None, 0.3)
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeout, match="did not join its fan-out within 0.3 s"):
+        handle.wait()
+    assert time.monotonic() - t0 < 5
+    never.set()
+
+    calls = []
+    monkeypatch.setattr(core, "fan_out", lambda x: calls.append(x) or time.sleep(0.2) or x + 1)
+    handle = core.Handle(done, "recv 'w'")
+    handle.watch(None, 5.0)
+    waits = [threading.Thread(target=handle.wait) for _ in range(4)]
+    [t.start() for t in waits]
+    [t.join() for t in waits]
+    assert len(calls) == 1 and np.all(np.asarray(handle.wait()["w"]) == 1)
