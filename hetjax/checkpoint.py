@@ -126,7 +126,6 @@ class Restored:
     step: int
     state: TrainState
     data_state: dict
-    config: dict
     meta: dict
 
 
@@ -148,7 +147,6 @@ class Manager:
         if cfg.keep_every:
             policies.append(keep_policy.EveryNSteps(cfg.keep_every))
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=max(cfg.every, 1),
             preservation_policy=None if read_only else keep_policy.AnyPreservationPolicy(policies),
             enable_async_checkpointing=cfg.async_save,
             read_only=read_only,
@@ -250,7 +248,7 @@ class Manager:
         meta = small.meta
         state = TrainState(step=jax.device_put(jnp.asarray(meta["step"], jnp.int32), shardings.step),
                            params=arrays.params, opt_state=arrays.opt_state)
-        return Restored(int(meta["step"]), state, small.data, small.config, meta)
+        return Restored(int(meta["step"]), state, small.data, meta)
 
     def read_json(self, step: int, *items: str):
         """The JSON items (meta, data, config) of checkpoint `step`, by name."""

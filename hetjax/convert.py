@@ -220,7 +220,8 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes
     small = manager.read_json(step, "meta", "config")
     m = ModelConfig(**small.config["model"])
     plan = entries(m)
-    specs = [(e.hf.format(i=i), e.hf_shape, np.dtype(_np_dtype(dtype))) for e in plan for i in _layers(e, m)]
+    out_dtype = _np_dtype(dtype)
+    specs = [(e.hf.format(i=i), e.hf_shape, out_dtype) for e in plan for i in _layers(e, m)]
     params_dir = directory / str(step) / "params"
     reader = ocp.PyTreeCheckpointer()
     checksums = small.meta.get("checksums", {})
@@ -236,7 +237,7 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes
                 raise ConvertError(f"{params_dir}: parameter {e.path} does not match its checksum; the checkpoint is damaged")
             log(f"  {e.path:26} {str(x.shape):22} -> {e.hf}")
             for i in _layers(e, m):
-                yield e.to_hf(x if i is None else x[i]).astype(_np_dtype(dtype))
+                yield e.to_hf(x if i is None else x[i]).astype(out_dtype)
 
     out_dir = Path(out_dir)
     paths = safetensors_io.write_dir(out_dir, specs, tensors(), max_shard_bytes)

@@ -21,7 +21,6 @@ previous document.
 
 from __future__ import annotations
 
-import hashlib
 
 import numpy as np
 
@@ -104,15 +103,3 @@ def rows_from_tokens(tokens: np.ndarray, starts: np.ndarray) -> dict[str, np.nda
         "segment_ids": segments[:, :-1].astype(np.int32),
         "loss_mask": (~starts[:, 1:]).astype(np.int32),
     }
-
-
-def row_digests(rows: dict[str, np.ndarray]) -> list[str]:
-    """One sha256 per row over its tokens and masks: the same rows give the same
-    digests on any machine, so runs can compare batches row by row."""
-    out = []
-    for i in range(len(rows["inputs"])):
-        h = hashlib.sha256()
-        for k in KEYS:
-            h.update(np.ascontiguousarray(rows[k][i], dtype="<i4").tobytes())
-        out.append(h.hexdigest())
-    return out

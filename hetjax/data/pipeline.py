@@ -110,7 +110,8 @@ class DataIterator:
                 f"the saved data iterator state is for data {state.get('fingerprint')!r} but this "
                 f"run's data is {self.fingerprint!r} (config.data, seq_len or batch_size changed); "
                 f"restore with the config the state was saved with")
-        self._start(int(state["step"]))
+        if int(state["step"]) != self.step:  # an iterator already there is not built again
+            self._start(int(state["step"]))
 
     def close(self) -> None:
         if self._it is not None and hasattr(self._it, "close"):
