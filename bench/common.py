@@ -67,11 +67,3 @@ def initial_state(prog):
     """The config's initial train state, laid out by the program's shardings."""
     return pipeline.create_state(prog.cfg, prog.tx, prog.state_shardings, prog.plan)
 
-
-def cli(main) -> int:
-    """Runs main(); a ConfigError is one line on stderr and exit status 2."""
-    try:
-        return main()
-    except config_lib.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2

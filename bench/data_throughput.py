@@ -28,6 +28,7 @@ import jax
 from bench import common
 from hetjax import config as config_lib
 from hetjax import data, step
+from hetjax.compile import cli
 from hetjax.mesh import describe, make_mesh
 
 
@@ -86,4 +87,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(common.cli(main))
+    sys.exit(cli.run(main))

@@ -53,6 +53,7 @@ from hetjax import config as config_lib
 from bench import common
 from hetjax import data, sharding, step
 from hetjax import state as state_lib
+from hetjax.compile import cli
 from hetjax.mesh import describe, make_mesh
 
 # Applied only when no --config is given: tiny with twice its batch, so that the
@@ -223,4 +224,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(common.cli(main))
+    sys.exit(cli.run(main))

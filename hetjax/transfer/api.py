@@ -97,7 +97,6 @@ def open_endpoint(cfg: LinkConfig, process_index: int | None = None) -> Endpoint
     """Starts this process's end of a link with the backend `cfg.backend`."""
     if not isinstance(cfg, LinkConfig):
         raise ConfigError(f"open_endpoint: expected a LinkConfig, got {type(cfg).__name__}")
-    cfg.validate()
     if cfg.backend == "local":
         from hetjax.transfer.local import LocalEndpoint
         return LocalEndpoint(cfg, process_index)

@@ -85,6 +85,13 @@ def check_peers(peers, processes, what: str, role: str) -> None:
                                 f"peers={{{p}: endpoint.addresses of that process}}")
 
 
+def finished(result=None) -> futures.Future:
+    """A future that is already done (a transfer with nothing left to wait for)."""
+    future: futures.Future = futures.Future()
+    future.set_result(result)
+    return future
+
+
 def run_async(fn, *args) -> futures.Future:
     """Runs fn in a daemon thread (never blocks interpreter exit on a dead peer)."""
     future: futures.Future = futures.Future()

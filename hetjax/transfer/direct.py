@@ -58,7 +58,7 @@ class DirectEndpoint(Endpoint):
         for i, plan in enumerate(plans):
             for piece in plan.sent_by(self.process):
                 by_dst.setdefault(piece.dst_process, []).append(core.device_piece(leaves[i], plan, piece))
-        handle = core.Handle(core.run_async(lambda: None), f"send {tag!r}")
+        handle = core.Handle(core.finished(), f"send {tag!r}")
         for q, arrays in sorted(by_dst.items()):
             self._server.await_pull(self._uuid(tag, self.process, q, leaves, src_layouts, dst_layouts), arrays)
             handle.wire_bytes += sum(a.nbytes for a in arrays)

@@ -257,7 +257,7 @@ class HostEndpoint(Endpoint):
                 conn, addr = listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn, f"{addr[0]}:{addr[1]}"), daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, link.address(*addr[:2])), daemon=True).start()
 
     def _serve(self, conn, peer):
         """One incoming stream: handshake, then chunks until the peer closes."""

@@ -34,7 +34,6 @@ from hetjax.config import ConfigError
 from hetjax.transfer import host, link
 from hetjax.transfer.link import TransferError, TransferTimeout
 
-SECRET_ENV = "HETJAX_TRANSFER_SECRET"
 _CONTROL = 9  # frame kind of control messages (host's frames, a kind of its own)
 
 
@@ -281,7 +280,7 @@ def main(argv=None):
     if args.peer:
         rows = probe(args.peer, args)
     else:
-        os.environ.setdefault(SECRET_ENV, os.urandom(16).hex())  # the child inherits it
+        os.environ.setdefault(link.LinkConfig.secret_env, os.urandom(16).hex())  # the child inherits it
         child, address = _local_server(args)
         try:
             rows = probe(address, args)
