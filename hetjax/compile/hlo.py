@@ -105,13 +105,14 @@ def summarize(text: str, devices: int) -> dict:
             continue
         shapes = {name: shape for name, shape, *_ in instrs}
         for name, shape, opcode, operands, rest in instrs:
-            operand_bytes = sum(shape_bytes(shapes.get(o, "")) for o in operands)
+            # Only dots and collectives need their operands' bytes: most instructions don't.
+            operand_bytes = lambda: sum(shape_bytes(shapes.get(o, "")) for o in operands)  # noqa: E731
             if opcode == "dot":
                 lhs = _dims(shapes.get(operands[0], ""))
                 m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
                 contracted = math.prod(lhs[int(i)] for i in m.group(1).split(",") if i) if m and lhs else 1
                 flops += n * 2 * math.prod(_dims(shape)) * contracted
-                matmul_bytes += n * (operand_bytes + shape_bytes(shape))
+                matmul_bytes += n * (operand_bytes() + shape_bytes(shape))
             if comp in fused:
                 continue
             kind = opcode.removesuffix("-start")
@@ -120,5 +121,5 @@ def summarize(text: str, devices: int) -> dict:
                 factor = {"all-gather": g - 1, "reduce-scatter": (g - 1) / g, "all-to-all": (g - 1) / g,
                           "all-reduce": 2 * (g - 1) / g, "collective-permute": 1}[kind]
                 collectives[kind]["count"] += n
-                collectives[kind]["bytes"] += n * operand_bytes * factor
+                collectives[kind]["bytes"] += n * operand_bytes() * factor
     return {"flops": flops, "matmul_bytes": matmul_bytes, "collectives": collectives}

@@ -227,6 +227,7 @@ def make_eval_step(graphdef, mesh: Mesh, rules, plan: Plan):
     S = plan.stages
     forward_table = jnp.asarray(forward_only(S, plan.microbatches))
     gather_free = _gather_free(mesh)
+    to_next = [(i, i + 1) for i in range(S - 1)]
 
     def body(params, micro):
         s, valid, pick, zeros_act = _stage_setup(graphdef, plan, params, micro)
@@ -246,7 +247,7 @@ def make_eval_step(graphdef, mesh: Mesh, rules, plan: Plan):
             x, loss = carry
             m = row[s]
             y, l = jax.lax.switch(jnp.where(m >= 0, kind, 3), branches, x, pick(m))
-            return (jax.lax.ppermute(y, AXIS, [(i, i + 1) for i in range(S - 1)]), loss + l), None
+            return (jax.lax.ppermute(y, AXIS, to_next), loss + l), None
 
         (_, loss), _ = jax.lax.scan(tick, zero, forward_table)
         return jax.lax.psum(loss, AXIS)
