@@ -13,6 +13,8 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -163,6 +165,95 @@ class PipelineConfig:
     stage_layers: tuple = ()  # layers per stage, e.g. (3, 5); () splits num_layers evenly
 
 
+BACKENDS = ("local", "host", "direct")  # transfer backends (hetjax/transfer)
+CHECKSUMS = ("crc32", "adler32")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkConfig:
+    """One link between two islands (both ends use equal configs)."""
+
+    backend: str = "host"  # local | host | direct
+    streams: int = 2  # parallel TCP streams per pair of processes (host)
+    # This process's NIC addresses: the endpoint listens on each, and stream i of a
+    # peer goes to the peer's address i % len. Empty: bind_address only.
+    nic_addresses: tuple = ()
+    bind_address: str = "127.0.0.1"  # loopback by default: say so to open a link
+    port: int = 0  # 0: any free port (the endpoint reports its addresses)
+    secret_env: str = "HETJAX_TRANSFER_SECRET"  # the job's shared secret, from this variable...
+    secret_file: str = ""  # ...or from this file when set
+    timeout_s: float = 60.0  # host: a peer silent this long; direct: a whole pull; TransferTimeout
+    chunk_bytes: int = 8 << 20  # unit of checksums and of copy/transfer overlap
+    checksum: str = "crc32"  # crc32 | adler32 (per chunk)
+
+    def validate(self, prefix: str = "link") -> None:
+        """Raises ConfigError naming the field, the value and the fix."""
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"{prefix}.backend={self.backend!r}: choose one of {BACKENDS}")
+        if self.checksum not in CHECKSUMS:
+            raise ConfigError(f"{prefix}.checksum={self.checksum!r}: choose one of {CHECKSUMS}")
+        if not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
+            raise ConfigError(f"{prefix}.streams={self.streams!r}: use 1 to 64 parallel TCP streams")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"{prefix}.timeout_s={self.timeout_s!r}: must be positive (seconds)")
+        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 4096:
+            raise ConfigError(f"{prefix}.chunk_bytes={self.chunk_bytes!r}: use at least 4096 (e.g. 8 << 20)")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"{prefix}.port={self.port}: use 0 (any free port) or 1..65535")
+        if not isinstance(self.nic_addresses, tuple) or not all(isinstance(a, str) and a for a in self.nic_addresses):
+            raise ConfigError(f"{prefix}.nic_addresses={self.nic_addresses!r}: a tuple of IP addresses, e.g. ('10.0.0.1', '10.0.1.1')")
+        if not self.bind_address:
+            raise ConfigError(f"{prefix}.bind_address is empty: give an IP address, e.g. '127.0.0.1'")
+
+    @property
+    def listen_addresses(self) -> tuple[str, ...]:
+        return self.nic_addresses or (self.bind_address,)
+
+    def secret(self, prefix: str = "link") -> bytes:
+        """The job's shared secret; an empty or missing one is a ConfigError."""
+        if self.secret_file:
+            path = Path(self.secret_file)
+            if not path.is_file():
+                raise ConfigError(f"{prefix}.secret_file={self.secret_file!r}: no such file")
+            value = path.read_bytes().strip()
+            where = f"{prefix}.secret_file={self.secret_file!r}"
+        else:
+            value = os.environ.get(self.secret_env, "").encode()
+            where = f"environment variable {self.secret_env} ({prefix}.secret_env)"
+        if len(value) < 16:
+            raise ConfigError(
+                f"{where} holds no shared secret of at least 16 bytes; every process of the job "
+                f"needs the same one, e.g. export {self.secret_env}=$(openssl rand -hex 32)")
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class IslandConfig:
+    """A homogeneous part of the job: its own platform, jax.distributed world and mesh."""
+
+    name: str = "island"
+    platform: str = "cpu"  # cuda | rocm | cpu: the compile profile of this island
+    num_processes: int = 1
+    devices_per_process: int = 1
+    mesh: MeshConfig = MeshConfig()  # over num_processes * devices_per_process devices
+    speed: float = 1.0  # relative throughput: data shares and the default layer split
+
+
+@dataclasses.dataclass(frozen=True)
+class HeteroConfig:
+    """Islands joined by the transfer primitive (hetjax/hetero); no islands: one mesh."""
+
+    islands: tuple = ()  # IslandConfigs, in pipeline order
+    placement: str = "pipeline"  # pipeline: layers split over islands | data: the batch split
+    island_layers: tuple = ()  # pipeline: layers per island; (): in proportion to speed
+    auto_split: bool = False  # pipeline: measure each island's time per layer, split by that
+    link: LinkConfig = LinkConfig(backend="local")  # every link between islands ...
+    links: tuple = ()  # ... or one LinkConfig per neighbouring pair (island i, i+1)
+    virtual: bool = True  # every island in this process, on a partition of its devices
+    fingerprint_every: int = 10  # data placement: check islands hold identical parameters
+    timeout_s: float = 120.0  # a peer island silent this long stops the job
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     name: str = "tiny"
@@ -188,6 +279,7 @@ class Config:
     peak_tflops: float = 0.0  # per device for MFU; 0: the platform table (CPU: measured)
     checkpoint: CheckpointConfig = CheckpointConfig()
     init_from: str = ""  # start a new run from these saved weights (fresh optimizer, step 0)
+    hetero: HeteroConfig = HeteroConfig()
 
 
 # ---------------------------------------------------------------------------
@@ -350,6 +442,7 @@ def validate(cfg: Config) -> None:
         profiles.check_platform(cfg.compile.platform, "config.compile.platform")
     _validate_data(cfg)
     _validate_checkpoint(cfg.checkpoint)
+    _validate_hetero(cfg)
 
 
 DATA_SOURCES = ("synthetic", "text", "jsonl", "array_record")
@@ -380,6 +473,102 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
             raise ConfigError(f"config.checkpoint.{key}={getattr(c, key)}: use 0 (off) or a positive step count")
     if c.keep < 1:
         raise ConfigError(f"config.checkpoint.keep={c.keep}: keep at least 1 checkpoint, or resume is impossible")
+
+
+PLACEMENTS = ("pipeline", "data")
+PLATFORMS = ("cpu", "cuda", "rocm")
+
+
+def _validate_hetero(cfg: Config) -> None:
+    h = cfg.hetero
+    if not h.islands:
+        return
+    n = len(h.islands)
+    names = [getattr(i, "name", None) for i in h.islands]
+    for k, island in enumerate(h.islands):
+        where = f"config.hetero.islands[{k}]"
+        if not isinstance(island, IslandConfig):
+            raise ConfigError(f"{where}={island!r}: give an IslandConfig(name=..., platform=..., mesh=...)")
+        if not island.name or not island.name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"{where}.name={island.name!r}: use letters, digits, - and _ (it names "
+                              f"logs, checkpoint folders and transfer tags)")
+        if names.count(island.name) > 1:
+            raise ConfigError(f"{where}.name={island.name!r} is used twice; give every island its own name")
+        if island.platform not in PLATFORMS:
+            raise ConfigError(f"{where}.platform={island.platform!r}: choose one of {PLATFORMS}")
+        for key in ("num_processes", "devices_per_process"):
+            if not isinstance(getattr(island, key), int) or getattr(island, key) < 1:
+                raise ConfigError(f"{where}.{key}={getattr(island, key)!r}: must be a positive integer")
+        if not island.speed > 0:
+            raise ConfigError(f"{where}.speed={island.speed!r}: must be positive (a relative throughput)")
+        devices = island.num_processes * island.devices_per_process
+        sizes = [getattr(island.mesh, a) for a in MESH_AXES]
+        known = math.prod(s for s in sizes if s != -1)
+        if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes) or (
+                devices % known if -1 in sizes else known != devices):
+            raise ConfigError(
+                f"{where}.mesh={island.mesh} does not fit the island's {island.num_processes} x "
+                f"{island.devices_per_process} = {devices} devices; make the sizes multiply to "
+                f"{devices} (one may be -1)")
+    if h.placement not in PLACEMENTS:
+        raise ConfigError(f"config.hetero.placement={h.placement!r}: choose one of {PLACEMENTS}")
+    if cfg.mesh.pipeline not in (1, -1):
+        raise ConfigError(f"config.mesh.pipeline={cfg.mesh.pipeline} with config.hetero.islands: "
+                          f"each island's mesh is its own (config.hetero.islands[k].mesh)")
+    if h.placement == "pipeline":
+        if n < 2:
+            raise ConfigError("config.hetero.placement='pipeline' needs at least 2 islands (one per stage)")
+        for k, island in enumerate(h.islands):
+            if island.mesh.pipeline != 1:
+                raise ConfigError(
+                    f"config.hetero.islands[{k}].mesh.pipeline={island.mesh.pipeline}: with "
+                    f"placement='pipeline' the islands are the stages; set it to 1 (a pipeline "
+                    f"inside an island works with placement='data')")
+        if h.island_layers and h.auto_split:
+            raise ConfigError("config.hetero.island_layers and config.hetero.auto_split both split the "
+                              "layers; set only one")
+        if h.island_layers and (len(h.island_layers) != n or any(
+                not isinstance(x, int) or x < 1 for x in h.island_layers)
+                or sum(h.island_layers) != cfg.model.num_layers):
+            raise ConfigError(
+                f"config.hetero.island_layers={h.island_layers}: give one layer count >= 1 per "
+                f"island ({n}) adding up to config.model.num_layers={cfg.model.num_layers}")
+        if cfg.model.num_layers < n:
+            raise ConfigError(f"config.model.num_layers={cfg.model.num_layers} is fewer than the {n} "
+                              f"islands of placement='pipeline'; every island needs a layer")
+        schedule = cfg.pipeline.schedule
+        if schedule not in ("gpipe", "1f1b"):
+            raise ConfigError(f"config.pipeline.schedule={schedule!r} across islands: use 'gpipe' or "
+                              f"'1f1b' (islands run their own operations without lockstep ticks)")
+        if schedule == "1f1b" and cfg.pipeline.microbatches < n:
+            raise ConfigError(f"config.pipeline.microbatches={cfg.pipeline.microbatches} is below the {n} "
+                              f"islands: 1F1B never fills the pipeline; use at least {n}")
+        if cfg.batch_size % cfg.pipeline.microbatches:
+            raise ConfigError(f"config.batch_size={cfg.batch_size} is not divisible by "
+                              f"config.pipeline.microbatches={cfg.pipeline.microbatches}")
+    if h.links and len(h.links) != n - 1:
+        raise ConfigError(f"config.hetero.links has {len(h.links)} entries for {n} islands: give one "
+                          f"LinkConfig per neighbouring pair ({n - 1}), or set config.hetero.link for all")
+    for k, link in enumerate(h.links or (h.link,)):
+        where = f"config.hetero.links[{k}]" if h.links else "config.hetero.link"
+        if not isinstance(link, LinkConfig):
+            raise ConfigError(f"{where}={link!r}: give a LinkConfig(backend=...)")
+        link.validate(where)
+        if h.virtual and link.backend != "local":
+            raise ConfigError(f"{where}.backend={link.backend!r} with config.hetero.virtual=True: virtual "
+                              f"islands share one process, so use 'local'; or run real processes "
+                              f"(config.hetero.virtual=False, python -m launch.local)")
+        if not h.virtual and link.backend == "local":
+            raise ConfigError(f"{where}.backend='local' with config.hetero.virtual=False: islands in "
+                              f"separate processes need 'host' or 'direct'")
+    if h.placement == "data" and len(set(h.links)) > 1:
+        raise ConfigError("config.hetero.links: with placement='data' every island talks to every "
+                          "other one; set one config.hetero.link")
+    for key in ("fingerprint_every",):
+        if getattr(h, key) < 0:
+            raise ConfigError(f"config.hetero.{key}={getattr(h, key)}: use 0 (off) or a positive step count")
+    if not h.timeout_s > 0:
+        raise ConfigError(f"config.hetero.timeout_s={h.timeout_s}: must be positive (seconds)")
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "1f1b_fused")
