@@ -44,9 +44,9 @@ def test_plan_gives_distinct_ports_and_settings_round_trip_through_the_environme
     plan = settings_of(cfg)
     assert sorted(plan) == ["a:0", "a:1", "b:0"]
     assert plan["a:0"].coordinator == plan["a:1"].coordinator != plan["b:0"].coordinator
-    # Pipeline over 3 islands would need 2 links; here 2 islands: 1 link, bases differ.
-    ports = [runtime.link_address(plan["a:0"], i, p, 0)[1] for i, n in (("a", 2), ("b", 1)) for p in range(n)]
-    assert len(set(ports)) == 3
+    # 2 islands: 1 link, and the processes' base ports differ.
+    ports = [runtime.link_address(plan["a:0"], i, p, 0) for i, n in (("a", 2), ("b", 1)) for p in range(n)]
+    assert len(set(ports)) == 3 and all(a.startswith("127.0.0.1:") for a in ports)
     for s in plan.values():
         env = s.to_env()
         assert all(isinstance(v, str) for v in env.values())
@@ -60,13 +60,13 @@ def test_link_addresses_leave_room_for_every_link(tmp_path):
     path = tmp_path / "three.py"
     path.write_text(text.format(run_dir=str(tmp_path / "run")))
     cfg, _ = local.job_config(str(path), {}, None)
-    assert runtime.num_links(cfg) == 2 and cfg.hetero.link.backend == "host"
+    assert runtime.num_links(cfg) == 3 and cfg.hetero.link.backend == "host"  # a-b, b-c, a-c
     s = local.plan(cfg)[0]
     used = [runtime.link_address(s, i.name, p, k) for i in cfg.hetero.islands
-            for p in range(i.num_processes) for k in range(2)]
-    assert len(set(used)) == len(used) == 8  # (2 + 1 + 1) processes x 2 links, no port twice
-    host, port = runtime.link_address(s, "b", 0, 1)
-    assert (host, port - 1) == runtime.split_address(s.transfer["b"][0], "x")
+            for p in range(i.num_processes) for k in range(3)]
+    assert len(set(used)) == len(used) == 12  # (2 + 1 + 1) processes x 3 links, no port twice
+    host, port = runtime.split_address(runtime.link_address(s, "b", 0, 2))
+    assert (host, port - 2) == runtime.split_address(s.transfer["b"][0])
 
 
 @pytest.mark.parametrize("change, names", [

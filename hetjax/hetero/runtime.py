@@ -6,9 +6,9 @@ here. Launchers (launch/local.py; SLURM and Kubernetes recipes later) write the 
 with `ProcessSettings.to_env()`, and every process reads them back with `from_env`: the
 one code path from environment to settings.
 
-    settings = runtime.from_env(os.environ, cfg)       # None: not an islands job
+    settings = runtime.ProcessSettings.from_env(os.environ, cfg)   # None: not an islands job
     runtime.initialize(settings, island_cfg, cfg.hetero.timeout_s)  # before jax.devices()
-    host, port = runtime.link_address(settings, "b", 0, link=0)     # a peer's endpoint
+    runtime.link_address(settings, "b", 0, link=0)   # "host:port" of a peer's endpoint
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import socket
 import time
 
 from hetjax.config import PLATFORMS, Config, ConfigError, IslandConfig
+from hetjax.transfer.link import address
 
 ISLAND = "HETJAX_ISLAND"
 PROCESS_ID = "HETJAX_PROCESS_ID"
@@ -61,8 +62,53 @@ class ProcessSettings:
                 TRANSFER_ADDRESSES: json.dumps({k: list(v) for k, v in self.transfer.items()}),
                 STAND_IN: self.stand_in}
 
+    @classmethod
+    def from_env(cls, environ, cfg: Config) -> ProcessSettings | None:
+        """This process's settings, or None when HETJAX_ISLAND is unset (not an islands job).
 
-def split_address(text: str, where: str) -> tuple[str, int]:
+        Raises ConfigError naming the variable, its value and the fix when the environment
+        does not fit cfg.hetero.islands.
+        """
+        name = environ.get(ISLAND)
+        if name is None:
+            return None
+        islands = {i.name: i for i in cfg.hetero.islands}
+        if name not in islands:
+            raise ConfigError(f"{ISLAND}={name!r} is not an island of config.hetero.islands "
+                              f"({', '.join(islands) or 'none'}); set it to one of them, or unset it for "
+                              f"a single-island run")
+        island = islands[name]
+        text = environ.get(PROCESS_ID, "")
+        if not text.isdigit() or int(text) >= island.num_processes:
+            raise ConfigError(f"{PROCESS_ID}={text!r}: island {name!r} has {island.num_processes} "
+                              f"process(es); give this process's rank 0..{island.num_processes - 1}")
+        coordinator = environ.get(COORDINATOR, "")
+        split_address(coordinator, COORDINATOR)
+        text = environ.get(TRANSFER_ADDRESSES, "")
+        try:
+            transfer = json.loads(text)
+        except json.JSONDecodeError:
+            transfer = None
+        if not isinstance(transfer, dict) or set(transfer) != set(islands):
+            raise ConfigError(f"{TRANSFER_ADDRESSES}={text!r}: give a JSON object with one list of "
+                              f"host:port per island ({', '.join(islands)}), e.g. "
+                              f'{{"{name}": ["127.0.0.1:9000"], ...}}')
+        for key, addresses in transfer.items():
+            n = islands[key].num_processes
+            if not isinstance(addresses, list) or len(addresses) != n:
+                raise ConfigError(f"{TRANSFER_ADDRESSES}: island {key!r} lists {addresses!r} but has {n} "
+                                  f"process(es) (config.hetero.islands); give one host:port per process")
+            for a in addresses:
+                split_address(a, f"{TRANSFER_ADDRESSES}[{key!r}]")
+        stand_in = environ.get(STAND_IN, "")
+        if stand_in and stand_in not in PLATFORMS:
+            raise ConfigError(f"{STAND_IN}={stand_in!r}: choose one of {PLATFORMS}, or leave it empty to run "
+                              f"on the island's own platform")
+        return cls(name, int(environ[PROCESS_ID]), island.num_processes, coordinator,
+                   {k: tuple(v) for k, v in transfer.items()}, stand_in)
+
+
+def split_address(text: str, where: str = "address") -> tuple[str, int]:
     """"host:port" or "[v6]:port" -> (host, port); a ConfigError naming `where` otherwise."""
     host, sep, port = str(text).rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
@@ -72,68 +118,24 @@ def split_address(text: str, where: str) -> tuple[str, int]:
 
 
 def num_links(cfg: Config) -> int:
-    """Transfer ports a process needs: a pipeline has a link per neighbouring pair of islands;
-    data placement joins every island over link 0."""
-    h = cfg.hetero
-    return max(len(h.islands) - 1, 1) if h.placement == "pipeline" else 1
+    """Transfer ports a process needs: one per pair of islands (hetero.links.pair_index
+    numbers neighbours k, k+1 as link k, then the other pairs)."""
+    n = len(cfg.hetero.islands)
+    return max(n * (n - 1) // 2, 1)
 
 
-def from_env(environ, cfg: Config) -> ProcessSettings | None:
-    """This process's settings, or None when HETJAX_ISLAND is unset (not an islands job).
-
-    Raises ConfigError naming the variable, its value and the fix when the environment
-    does not fit cfg.hetero.islands.
-    """
-    name = environ.get(ISLAND)
-    if name is None:
-        return None
-    islands = {i.name: i for i in cfg.hetero.islands}
-    if name not in islands:
-        raise ConfigError(f"{ISLAND}={name!r} is not an island of config.hetero.islands "
-                          f"({', '.join(islands) or 'none'}); set it to one of them, or unset it for "
-                          f"a single-island run")
-    island = islands[name]
-    text = environ.get(PROCESS_ID, "")
-    if not text.isdigit() or int(text) >= island.num_processes:
-        raise ConfigError(f"{PROCESS_ID}={text!r}: island {name!r} has {island.num_processes} "
-                          f"process(es); give this process's rank 0..{island.num_processes - 1}")
-    coordinator = environ.get(COORDINATOR, "")
-    split_address(coordinator, COORDINATOR)
-    text = environ.get(TRANSFER_ADDRESSES, "")
-    try:
-        transfer = json.loads(text)
-    except json.JSONDecodeError:
-        transfer = None
-    if not isinstance(transfer, dict) or set(transfer) != set(islands):
-        raise ConfigError(f"{TRANSFER_ADDRESSES}={text!r}: give a JSON object with one list of "
-                          f"host:port per island ({', '.join(islands)}), e.g. "
-                          f'{{"{name}": ["127.0.0.1:9000"], ...}}')
-    for key, addresses in transfer.items():
-        n = islands[key].num_processes
-        if not isinstance(addresses, list) or len(addresses) != n:
-            raise ConfigError(f"{TRANSFER_ADDRESSES}: island {key!r} lists {addresses!r} but has {n} "
-                              f"process(es) (config.hetero.islands); give one host:port per process")
-        for a in addresses:
-            split_address(a, f"{TRANSFER_ADDRESSES}[{key!r}]")
-    stand_in = environ.get(STAND_IN, "")
-    if stand_in and stand_in not in PLATFORMS:
-        raise ConfigError(f"{STAND_IN}={stand_in!r}: choose one of {PLATFORMS}, or leave it empty to run "
-                          f"on the island's own platform")
-    return ProcessSettings(name, int(environ[PROCESS_ID]), island.num_processes, coordinator,
-                           {k: tuple(v) for k, v in transfer.items()}, stand_in)
+from_env = ProcessSettings.from_env
 
 
-def link_address(settings: ProcessSettings, island: str, process: int, link: int) -> tuple[str, int]:
-    """(host, port) where `process` of `island` listens for link `link` (base port + link).
-
-    Pipeline placement: link k joins islands k and k+1; data placement uses link 0 only.
-    """
+def link_address(settings: ProcessSettings, island: str, process: int, link: int) -> str:
+    """"host:port" where `process` of `island` listens for link number `link` (base port + link;
+    link k joins islands k and k+1)."""
     if island not in settings.transfer or not 0 <= process < len(settings.transfer[island]):
         raise ValueError(f"no transfer address for process {process} of island {island!r}; "
                          f"known: { {k: len(v) for k, v in settings.transfer.items()} }")
     assert link >= 0, link
     host, port = split_address(settings.transfer[island][process], f"{TRANSFER_ADDRESSES}[{island!r}]")
-    return host, port + link
+    return address(host, port + link)
 
 
 def distributed_kwargs(timeout_s: float) -> dict[str, int]:
