@@ -47,24 +47,34 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, mesh: 
                     grad_accum_steps: int = 1):
     """The pure step. Gradients of all micro-batches are summed, then divided by
     the token count once, so accumulation changes memory, not the result."""
-    grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+    grad_fn = make_grad_fn(graphdef, mesh, rules, grad_accum_steps)
 
     def train_step(state: TrainState, batch):
-        with sharding.logical_rules(mesh, rules):
-            if grad_accum_steps == 1:
-                (loss_sum, count), grads = grad_fn(state.params, graphdef, batch)
-            else:
-                micro = jax.tree.map(lambda x: _split_micro(x, grad_accum_steps), batch)
-
-                def accumulate(carry, mb):
-                    (l, c), g = grad_fn(state.params, graphdef, mb)
-                    return jax.tree.map(jnp.add, carry, (l, c, g)), None
-
-                zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
-                (loss_sum, count, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+        loss_sum, count, grads = grad_fn(state.params, batch)
         return apply_gradients(state, tx, schedule, grads, loss_sum, count)
 
     return train_step
+
+
+def make_grad_fn(graphdef, mesh: Mesh, rules, grad_accum_steps: int = 1):
+    """(params, batch) -> (loss sum, token count, summed gradients), like the pipeline's."""
+    grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+
+    def sums(params, batch):
+        with sharding.logical_rules(mesh, rules):
+            if grad_accum_steps == 1:
+                (loss_sum, count), grads = grad_fn(params, graphdef, batch)
+                return loss_sum, count, grads
+            micro = jax.tree.map(lambda x: _split_micro(x, grad_accum_steps), batch)
+
+            def accumulate(carry, mb):
+                (l, c), g = grad_fn(params, graphdef, mb)
+                return jax.tree.map(jnp.add, carry, (l, c, g)), None
+
+            zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+            return jax.lax.scan(accumulate, zeros, micro)[0]
+
+    return sums
 
 
 def apply_gradients(state: TrainState, tx, schedule, grads, loss_sum, count):

@@ -69,10 +69,13 @@ class DataIterator:
     """
 
     def __init__(self, packed: packing.PackedRows, batch_size: int, shardings: dict, *,
-                 fingerprint: str, start_step: int = 0, num_workers: int = 0, prefetch: int = 2):
+                 fingerprint: str, start_step: int = 0, num_workers: int = 0, prefetch: int = 2,
+                 share: tuple[int, int] | None = None):
         self.packed, self.batch_size, self.shardings = packed, batch_size, shardings
         self.fingerprint, self.num_workers, self.prefetch = fingerprint, num_workers, prefetch
-        self.rows = local_rows(shardings, batch_size)
+        # share=(first, n): rows first..first+n-1 of each global batch (an island's share)
+        self.first, self.n = share or (0, batch_size)
+        self.rows = self.first + local_rows(shardings, self.n)
         self._it = None
         self.last_rows = None
         self._start(start_step)
@@ -99,7 +102,7 @@ class DataIterator:
         local = next(self._it)
         self.last_rows = (self.step * self.batch_size + self.rows, local)
         self.step += 1
-        return to_global(local, self.rows, self.batch_size, self.shardings)
+        return to_global(local, self.rows - self.first, self.n, self.shardings)
 
     def get_state(self) -> dict:
         return {"step": self.step, "fingerprint": self.fingerprint}
@@ -131,19 +134,21 @@ class Data:
     batch_size: int
     num_workers: int
 
-    def iterator(self, shardings: dict, start_step: int = 0) -> DataIterator:
+    def iterator(self, shardings: dict, start_step: int = 0, share=None) -> DataIterator:
+        """share=(first, n): only rows first..first+n-1 of every global batch."""
         return DataIterator(self.train, self.batch_size, shardings, fingerprint=self.fingerprint,
-                            start_step=start_step, num_workers=self.num_workers)
+                            start_step=start_step, num_workers=self.num_workers, share=share)
 
-    def batch(self, step: int, shardings: dict, split: str = "train") -> dict[str, jax.Array]:
-        """The global batch of `step` read directly (no grain, no prefetch); eval
-        batch i is the same at every evaluation."""
-        rows = local_rows(shardings, self.batch_size)
-        local = getattr(self, split).rows(step * self.batch_size + rows)
-        return to_global(local, rows, self.batch_size, shardings)
+    def batch(self, step: int, shardings: dict, split: str = "train", share=None) -> dict[str, jax.Array]:
+        """The global batch of `step` (or its rows `share`) read directly (no grain, no
+        prefetch); eval batch i is the same at every evaluation."""
+        first, n = share or (0, self.batch_size)
+        rows = local_rows(shardings, n)
+        local = getattr(self, split).rows(step * self.batch_size + first + rows)
+        return to_global(local, rows, n, shardings)
 
-    def eval_batch(self, i: int, shardings: dict) -> dict[str, jax.Array]:
-        return self.batch(i, shardings, "eval")
+    def eval_batch(self, i: int, shardings: dict, share=None) -> dict[str, jax.Array]:
+        return self.batch(i, shardings, "eval", share)
 
 
 def build(cfg) -> Data:

@@ -1,0 +1,258 @@
+"""One island of a job: its mesh, its part of the model and the optimizer, and how
+any island's arrays are laid out, so that an island can plan a transfer to a peer
+whose devices it cannot see.
+
+Pipeline placement: island k holds the contiguous layers [start, stop) of the
+stacked blocks, plus the embedding if it is the first island and the final norm
+and the head if it is the last (a tied embedding sits on both and its gradients
+are added across them). The leaves an island does not use are one-element
+placeholders, so every island's parameter tree has the model's structure (the
+stage functions of hetjax.pipeline.stages merge it with the model's graphdef)
+and no island spends memory or optimizer work on weights it never touches.
+Placeholders have one element, replicated: orbax refuses to save empty arrays.
+
+Data placement: every island holds the whole model (in its own pipeline layout
+when its mesh has pipeline > 1, split evenly) and rows [first, first + n) of
+each global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from hetjax import sharding, step
+from hetjax import state as state_lib
+from hetjax.config import MESH_AXES, ConfigError, IslandConfig
+from hetjax.hetero import placement
+from hetjax.mesh import resolve_shape
+from hetjax.pipeline.stages import BLOCKS
+from hetjax.transfer.plan import Layout
+
+ACTIVATION = ("batch", "length", "embed")
+EMBED, HEAD = "embed_VD", ("final_norm", "unembed_DV")
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """An island's mesh without devices: enough to describe its arrays' layouts."""
+
+    spec: IslandConfig
+    shape: tuple[int, ...]  # mesh axis sizes, in MESH_AXES order
+    processes: tuple[int, ...]  # the process of each mesh position (row-major)
+
+    @classmethod
+    def of(cls, spec: IslandConfig, virtual: bool) -> "Geometry":
+        devices = spec.num_processes * spec.devices_per_process
+        sizes = resolve_shape(spec.mesh, devices)
+        # Devices are laid out in (process, local id) order: position i is on process
+        # i // devices_per_process, which a peer can compute from the config alone.
+        processes = (0,) * devices if virtual else tuple(i // spec.devices_per_process for i in range(devices))
+        return cls(spec, tuple(sizes[a] for a in MESH_AXES), processes)
+
+    def layout(self, spec: PartitionSpec) -> Layout:
+        entries = tuple(tuple(e) if isinstance(e, (tuple, list)) else e for e in spec)
+        return Layout(self.shape, MESH_AXES, self.processes, entries)
+
+    def abstract_mesh(self):
+        return jax.sharding.AbstractMesh(self.shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def make_mesh(geometry: Geometry, devices) -> Mesh:
+    """The island's Mesh over `devices`, in the (process, id) order Geometry assumes."""
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.asarray(devices).reshape(geometry.shape), MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    got = tuple(int(d.process_index) for d in mesh.devices.flat)
+    assert len(set(got)) == len(set(geometry.processes)), (got, geometry.processes)
+    return mesh
+
+
+def island_config(cfg, k: int):
+    """The job's config as island k sees it: its own mesh and platform; no gradient
+    clipping inside the optimizer, because the norm is the whole job's (hetero.step)."""
+    spec = cfg.hetero.islands[k]
+    out = dataclasses.replace(cfg, mesh=spec.mesh, optim=dataclasses.replace(cfg.optim, grad_clip_norm=0.0),
+                              compile=dataclasses.replace(cfg.compile, platform=spec.platform))
+    if cfg.hetero.placement == "data":
+        out = dataclasses.replace(out, batch_size=placement.batch_shares(cfg)[k][1])
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Which parameters an island holds (pipeline placement).
+
+
+def _top(path) -> str:
+    key = path[0]
+    return str(getattr(key, "key", getattr(key, "name", key)))
+
+
+def uses(name: str, k: int, n: int, tied: bool) -> bool:
+    """Does island k of n (pipeline placement) use the non-block parameter `name`?"""
+    if name == EMBED:
+        return k == 0 or (tied and k == n - 1)
+    if name in HEAD:
+        return k == n - 1
+    raise AssertionError(f"unknown top-level parameter {name!r}")
+
+
+def holders(name: str, n: int, tied: bool) -> list[int]:
+    return [k for k in range(n) if uses(name, k, n, tied)]
+
+
+def part(params, k: int, n: int, layers: tuple[int, int], tied: bool):
+    """Island k's part of model-layout params: its layers, and one-element
+    placeholders for the non-block leaves it does not use (orbax saves no empty arrays)."""
+    start, stop = layers
+
+    def other(path, x):
+        return x if uses(_top(path), k, n, tied) else jnp.zeros((1,) * x.ndim, x.dtype)
+
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x[start:stop] if _top(p) == BLOCKS else other(p, x), params)
+
+
+def owned(params, k: int, n: int, tied: bool):
+    """A mask tree: True where island k is the one that counts this leaf in the
+    gradient norm (blocks always; a shared leaf only on its first holder)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: _top(p) == BLOCKS or holders(_top(p), n, tied)[0] == k, params)
+
+
+def shared(params, n: int, tied: bool) -> list[str]:
+    """The top-level names of leaves that several islands hold (a tied embedding)."""
+    names = {_top(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]} - {BLOCKS}
+    return sorted(name for name in names if len(holders(name, n, tied)) > 1)
+
+
+# ---------------------------------------------------------------------------
+# An island's whole setup.
+
+
+@dataclasses.dataclass
+class Island:
+    """Island `index` of the job: config, geometry, mesh, rules and abstract state."""
+
+    cfg: object  # the job's config
+    index: int
+    geometry: Geometry
+    mesh: Mesh
+    icfg: object  # island_config(cfg, index)
+    rules: tuple
+    tx: object
+    graphdef: object
+    abstract: state_lib.TrainState
+    shardings: state_lib.TrainState
+    batch_shardings: dict
+    layers: tuple[int, int] | None = None  # pipeline placement
+    rows: tuple[int, int] | None = None  # data placement
+    plan: object = None  # the island's own pipeline (data placement, mesh.pipeline > 1)
+
+    @property
+    def name(self) -> str:
+        return self.geometry.spec.name
+
+    @property
+    def count(self) -> int:
+        return len(self.cfg.hetero.islands)
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    def describe(self) -> str:
+        where = (f"layers {self.layers[0]}..{self.layers[1] - 1}" if self.layers is not None
+                 else f"rows {self.rows[0]}..{sum(self.rows) - 1} of each batch")
+        mesh = " x ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
+        spec = self.geometry.spec
+        return (f"island {self.name} ({spec.platform}, {spec.num_processes} x {spec.devices_per_process} "
+                f"{self.mesh.devices.flat[0].device_kind}): mesh {mesh}; {where}")
+
+    def activation_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, sharding.spec_for(ACTIVATION, self.rules))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def create_state(self) -> state_lib.TrainState:
+        """The island's part of the same initial weights a one-island run starts from."""
+        return jax.jit(self._init, out_shardings=self.shardings)()
+
+    def _init(self):
+        _, params = nnx.split(state_lib.make_model(self.cfg.model, self.cfg.seed))
+        if self.layers is not None:
+            params = part(params, self.index, self.count, self.layers, self.cfg.model.tie_embeddings)
+        elif self.plan is not None:
+            from hetjax.pipeline.stages import to_stages
+            params = to_stages(params, self.plan.layout)
+        return state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                                    opt_state=self.tx.init(params))
+
+
+def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island:
+    """Island k on `devices` (its mesh); `layers`: its range for pipeline placement.
+    Checks that its part splits over its mesh (ConfigError naming the field)."""
+    from hetjax import optim, pipeline
+    spec = cfg.hetero.islands[k]
+    geometry = Geometry.of(spec, cfg.hetero.virtual)
+    if len(devices) != math.prod(geometry.shape):
+        raise ConfigError(f"config.hetero.islands[{k}] ({spec.name}) needs {math.prod(geometry.shape)} "
+                          f"devices but has {len(devices)}")
+    mesh = make_mesh(geometry, devices)
+    icfg = island_config(cfg, k)
+    tx = optim.make_optimizer(icfg.optim, cfg.steps)
+    rows = plan = None
+    if layers is not None:
+        rules = cfg.sharding.rules
+        dims = {**cfg.model.dims(), "layers": ("hetero.island_layers", layers[1] - layers[0])}
+        sharding.check_divisible(dims, rules, mesh)
+        graphdef, _ = state_lib.abstract_state(cfg.model, cfg.seed, tx)
+        island = Island(cfg, k, geometry, mesh, icfg, rules, tx, graphdef, None, None,
+                        step.batch_shardings(mesh, rules), layers=layers)
+        abstract = jax.eval_shape(island._init)
+    else:
+        rows = placement.batch_shares(cfg)[k]
+        plan = pipeline.make_plan(icfg, mesh)
+        if plan is not None and plan.layout.padded:
+            raise ConfigError(
+                f"config.hetero.islands[{k}].mesh.pipeline={mesh.shape['pipeline']} with uneven "
+                f"config.pipeline.stage_layers: islands exchange gradients in the model's layout, so "
+                f"split the layers evenly inside an island")
+        rules = pipeline.rules(icfg, plan)
+        sharding.check_divisible(pipeline.dims(icfg, plan), rules, mesh)
+        graphdef, abstract = pipeline.abstract_state(icfg, tx, plan)
+        island = Island(cfg, k, geometry, mesh, icfg, rules, tx, graphdef, None, None,
+                        step.batch_shardings(mesh, rules), rows=rows, plan=plan)
+    island.abstract = abstract
+    shardings = state_lib.state_shardings(abstract, mesh, island.rules)
+    if layers is not None:  # placeholders (and their Adam moments) are replicated scalars
+        shardings = jax.tree.map(lambda x, s: island.replicated() if _placeholder(x) else s,
+                                 abstract, shardings)
+    island.shardings = shardings
+    return island
+
+
+def _placeholder(x) -> bool:
+    return x.ndim > 0 and all(d == 1 for d in x.shape)
+
+
+def remote_layouts(cfg, k: int, tree_specs) -> object:
+    """Layouts of island k's arrays, given a tree of their PartitionSpecs."""
+    geometry = Geometry.of(cfg.hetero.islands[k], cfg.hetero.virtual)
+    return jax.tree.map(geometry.layout, tree_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def specs(shardings):
+    """PartitionSpecs of a tree of NamedShardings (what a peer needs of our layout)."""
+    return jax.tree.map(lambda s: s.spec, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))

@@ -1,0 +1,332 @@
+"""A training job over islands, with the interface train.py's loop uses for any job:
+`state`, `start`, `batches`, `train_step`, `eval_sums`, `checkpoints`, `stop_requested`.
+
+Virtual mode: every island lives in this process on its own slice of the local
+devices, each runs its part of a step in its own thread, and links use the
+`local` backend. Process mode: this process is one rank of one island (its own
+jax.distributed world, hetjax.hetero.runtime) and holds only that island's part.
+Either way an island runs the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from concurrent import futures
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from hetjax import checkpoint
+from hetjax import config as config_lib
+from hetjax import metrics as metrics_lib
+from hetjax.config import ConfigError
+from hetjax.hetero import island as island_lib
+from hetjax.hetero import placement
+from hetjax.hetero.links import Links
+from hetjax.hetero.pipelined import PipelineStage
+from hetjax.hetero.replicated import DataShare
+
+
+def start(cfg) -> tuple[str, object]:
+    """Sets up the backend for this process (before jax starts) and, in process mode,
+    joins this island's jax.distributed world; (start-up line, runtime settings or None)."""
+    from hetjax.compile import backend
+    if cfg.hetero.virtual:
+        line = backend.start(cfg)
+        if backend.resolve(cfg.compile)[0].platform == "cpu":
+            # One virtual CPU device per island device: the islands partition them.
+            need = sum(i.num_processes * i.devices_per_process for i in cfg.hetero.islands)
+            flags = os.environ.get("XLA_FLAGS", "")
+            if "xla_force_host_platform_device_count" not in flags:
+                backend.virtual_cpu_devices(need)
+        return line + " (virtual islands: every island runs on a share of this process's devices)", None
+    from hetjax.hetero import runtime
+    settings = runtime.ProcessSettings.from_env(os.environ, cfg)
+    if settings is None:
+        raise ConfigError("config.hetero.virtual=False: start the islands' processes with "
+                          "`python -m launch.local --config ...` (or a cluster launcher), which sets "
+                          "HETJAX_ISLAND and the other runtime variables")
+    spec = next(i for i in cfg.hetero.islands if i.name == settings.island)
+    platform = settings.stand_in or spec.platform
+    line = backend.start(dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, platform=platform)))
+    runtime.initialize(settings, spec, cfg.hetero.timeout_s)
+    where = f"island {settings.island} rank {settings.process_id}/{spec.num_processes}"
+    stand_in = f" standing in for {spec.platform}" if settings.stand_in else ""
+    return f"{line}; {where} on {platform}{stand_in}", settings
+
+
+def agreed(cfg) -> dict:
+    """What every island must agree on: everything but where each process runs."""
+    d = config_lib.to_dict(cfg)
+    d["hetero"] = {k: v for k, v in d["hetero"].items() if k != "virtual"}
+    for k in ("compile", "run_dir", "log_every", "tensorboard", "checkpoint"):
+        d.pop(k, None)
+    return d
+
+
+def _flat(d, prefix="") -> dict:
+    out = {}
+    for k, v in (d.items() if isinstance(d, dict) else ((f"[{i}]", x) for i, x in enumerate(d))):
+        key = f"{prefix}{k}" if not prefix or k.startswith("[") else f"{prefix}.{k}"
+        if isinstance(v, (dict, list)) and v:
+            out.update(_flat(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def differences(a: dict, b: dict) -> list[str]:
+    fa, fb = _flat(a), _flat(b)
+    return [f"config.{k}: {fa.get(k)!r} vs {fb.get(k)!r}" for k in sorted(set(fa) | set(fb))
+            if fa.get(k) != fb.get(k)]
+
+
+class Worker:
+    """One island's part of the job in this process."""
+
+    def __init__(self, cfg, k: int, devices, layers, dataset, links: Links):
+        self.k, self.name = k, cfg.hetero.islands[k].name
+        self.island = island_lib.build(cfg, k, devices, layers)
+        self.links = links
+        stage = PipelineStage if cfg.hetero.placement == "pipeline" else DataShare
+        self.stage = stage(self.island, self.links)
+        self.dataset, self.rows = dataset, self.island.rows
+        self.manager = checkpoint.Manager(checkpoint.default_dir(cfg) / self.name, cfg.checkpoint)
+        self.step_seconds = 0.0
+
+    def check_config(self, cfg) -> None:
+        """Islands whose configs disagree refuse to start, naming the difference."""
+        ours = json.loads(json.dumps(agreed(cfg), sort_keys=True))  # tuples as lists, like theirs
+        text = np.frombuffer(json.dumps(ours, sort_keys=True).encode(), np.uint8)
+        sizes = self.links.gather(np.asarray([text.size], np.int32), "config/size", self.island.mesh)[:, 0]
+        width = int(sizes.max())
+        mine = np.zeros(width, np.uint8)
+        mine[:text.size] = text
+        got = self.links.gather(mine, "config/text", self.island.mesh)
+        names = [i.name for i in cfg.hetero.islands]
+        for j in range(len(names)):
+            theirs = json.loads(got[j][:sizes[j]].tobytes().decode())
+            diff = differences(ours, theirs)
+            if diff:
+                raise ConfigError(f"island {names[j]}'s config differs from island {self.name}'s: "
+                                  f"{'; '.join(diff[:5])}; start every island with the same config")
+
+    def train_step(self, state, batch, step: int, stop: bool):
+        t = time.perf_counter()
+        self.links.transfer_seconds = 0.0
+        state, metrics, stops = self.stage.train_step(state, batch, f"train{step}", stop)
+        metrics = jax.device_get(metrics)
+        self.step_seconds = time.perf_counter() - t
+        return state, metrics, stops
+
+
+class Batches:
+    """Each local island's iterator over its rows of the global batches, in step."""
+
+    def __init__(self, workers, dataset, start: int):
+        self.its = [dataset.iterator(w.island.batch_shardings, start, share=w.rows) for w in workers]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return [next(it) for it in self.its]
+
+    def get_state(self) -> dict:
+        return self.its[0].get_state()
+
+    def set_state(self, state: dict) -> None:
+        for it in self.its:
+            it.set_state(state)
+
+    def close(self) -> None:
+        for it in self.its:
+            it.close()
+
+
+class Checkpoints:
+    """One orbax manager per island (run_dir/checkpoints/<island>). A step counts only
+    when every island has it: restore picks the newest step all islands can read."""
+
+    def __init__(self, job: "Job"):
+        self.job = job
+        self.directory = checkpoint.default_dir(job.cfg)
+
+    def should_save(self, step: int) -> bool:
+        return self.job.workers[0].manager.should_save(step)
+
+    def save(self, step: int, states, data_state: dict, config: dict) -> None:
+        for w, state in zip(self.job.workers, states):
+            w.manager.save(step, state, data_state, config)
+
+    def wait(self) -> None:
+        for w in self.job.workers:
+            w.manager.wait()
+
+    def steps(self) -> list[int]:
+        return sorted(set.intersection(*(set(w.manager.steps()) for w in self.job.workers)))
+
+    def close(self) -> None:
+        for w in self.job.workers:
+            w.manager.close()
+
+    def restore_latest(self, log=print):
+        """(states, step, data state) at the newest step every island (also the ones in
+        other processes) holds and can read, or None."""
+        job = self.job
+        while True:
+            mine = set(self.steps())
+            common = job.agree_steps(sorted(mine))
+            if not common:
+                return None
+            step = common[-1]
+            try:
+                restored = [w.manager.restore(step, w.island.abstract, w.island.shardings) for w in job.workers]
+                ok = 1
+            except checkpoint.CorruptCheckpoint as e:
+                log(f"warning: {e}")
+                ok = 0
+            if job.all_ok(ok, f"restore{step}"):
+                return [r.state for r in restored], step, restored[0].data_state
+            for w in job.workers:  # someone could not read it: set it aside everywhere
+                if step in w.manager.steps():
+                    w.manager._move_aside(step, log)
+
+
+class Job:
+    """Every island of the job that lives in this process."""
+
+    def __init__(self, cfg, dataset, settings=None, log=print):
+        self.cfg, self.dataset, self.settings = cfg, dataset, settings
+        h = cfg.hetero
+        n = len(h.islands)
+        local = list(range(n)) if settings is None else [[i.name for i in h.islands].index(settings.island)]
+        devices = self._devices(local)
+        self._pool = futures.ThreadPoolExecutor(len(local))
+        links = {k: Links(cfg, k, settings) for k in local}
+        meshes = {k: island_lib.make_mesh(island_lib.Geometry.of(h.islands[k], h.virtual), devices[k])
+                  for k in local}
+        layers = [None] * n
+        if h.placement == "pipeline":
+            speeds = None
+            if h.auto_split:
+                from hetjax.hetero.profile import seconds_per_layer
+                times = self._run(local, lambda k: links[k].gather(
+                    np.asarray([seconds_per_layer(cfg, meshes[k])], np.float32), "profile", meshes[k]))[0]
+                speeds = placement.balance(times[:, 0].tolist())
+                log("auto_split: seconds per layer " + ", ".join(
+                    f"{i.name} {t:.4g}" for i, t in zip(h.islands, times[:, 0])))
+            split = placement.island_layers(cfg, speeds)
+            bounds = np.concatenate([[0], np.cumsum(split)])
+            layers = [(int(bounds[k]), int(bounds[k + 1])) for k in range(n)]
+        self.workers = self._run(local, lambda k: Worker(cfg, k, devices[k], layers[k], dataset, links[k]))
+        for w in self.workers:
+            log(w.island.describe())
+        self._each(lambda w: w.check_config(cfg))
+        self.checkpoints = Checkpoints(self)
+        self.preempted: list = []
+        self.stop_requested = False
+        self.peak, self.peak_source = metrics_lib.peak_flops(cfg, [d for k in local for d in devices[k]])
+        restored = self.checkpoints.restore_latest(log)
+        if restored is not None:
+            self.state, self.start, data_state = restored
+            log(f"resumed every island from step {self.start} of {self.checkpoints.directory}")
+        else:
+            self.state, self.start, data_state = self._fresh(log), cfg.data.start_step, None
+        self.step_count = self.start
+        self.batches = Batches(self.workers, dataset, self.start)
+        if data_state is not None:
+            self.batches.set_state(data_state)
+        self.run_dir = Path(cfg.run_dir)
+        if settings is not None and (local[0] != 0 or settings.process_id != 0):
+            self.run_dir = self.run_dir / "islands" / f"{settings.island}-{settings.process_id}"
+
+    def _devices(self, local):
+        h = self.cfg.hetero
+        if not h.virtual:
+            return {local[0]: jax.devices()}
+        need = [i.num_processes * i.devices_per_process for i in h.islands]
+        have = jax.devices()
+        if sum(need) > len(have):
+            raise ConfigError(
+                f"config.hetero.islands need {sum(need)} devices in virtual mode "
+                f"({' + '.join(map(str, need))}) but this process has {len(have)}; shrink the islands "
+                f"or start with more (XLA_FLAGS=--xla_force_host_platform_device_count=N on CPU)")
+        starts = np.concatenate([[0], np.cumsum(need)])
+        return {k: have[starts[k]:starts[k + 1]] for k in range(len(need))}
+
+    def _run(self, ks, fn):
+        """fn(k) for every local island k at once: exchanges need all islands running."""
+        if len(ks) == 1:
+            return [fn(ks[0])]
+        return [f.result() for f in [self._pool.submit(fn, k) for k in ks]]
+
+    def _each(self, fn, *per_worker):
+        """fn(worker, *args) on every local island at once (one thread each)."""
+        return self._run(list(range(len(self.workers))),
+                         lambda i: fn(self.workers[i], *(a[i] for a in per_worker)))
+
+    def _fresh(self, log):
+        if self.cfg.init_from:
+            raise ConfigError("config.init_from with config.hetero.islands: not supported yet; "
+                              "start the islands from config.seed")
+        return [w.island.create_state() for w in self.workers]
+
+    def agree_steps(self, steps: list[int]) -> list[int]:
+        """The checkpoint steps that every island holds."""
+        width = 64
+        mine = np.full(width, -1, np.int64)
+        mine[:min(width, len(steps))] = steps[-width:]
+        got = self._each(lambda w: w.links.gather(mine.astype(np.int32), "checkpoint/steps", w.island.mesh))[0]
+        common = set(steps)
+        for row in got:
+            common &= {int(s) for s in row if s >= 0}
+        return sorted(common)
+
+    def all_ok(self, ok: int, what: str) -> bool:
+        return bool(self._each(lambda w: w.links.gather(np.asarray([ok], np.int32), what, w.island.mesh))[0].min())
+
+    # -- what the training loop calls ------------------------------------------------
+
+    def train_step(self, states, batches):
+        step = self.step_count
+        stop = bool(self.preempted)
+        out = self._each(lambda w, s, b: w.train_step(s, b, step, stop), states, batches)
+        self.step_count += 1
+        self.stop_requested = bool(np.any([o[2] for o in out]))
+        values = dict(out[0][1])
+        for w in self.workers:
+            values[f"{w.name}/step_time"] = w.step_seconds
+            values[f"{w.name}/transfer_time"] = w.links.transfer_seconds
+        return [o[0] for o in out], values
+
+    def eval_sums(self, states, i: int) -> dict:
+        def run(w, state):
+            batch = self.dataset.eval_batch(i, w.island.batch_shardings, share=w.rows)
+            return w.stage.eval_sums(state.params, batch, f"eval{self.step_count}.{i}")
+        loss, tokens = self._each(run, states)[0]
+        return {"loss_sum": loss, "tokens": tokens}
+
+    def check_identical(self, states, step: int) -> None:
+        """Data placement: every fingerprint_every steps, islands compare parameter hashes."""
+        every = self.cfg.hetero.fingerprint_every
+        if self.cfg.hetero.placement == "data" and every and step % every == 0:
+            self._each(lambda w, s: w.stage.check_identical(s.params, f"fingerprint{step}"), states)
+
+    def flops_per_step(self) -> float:
+        from flax import nnx
+
+        from hetjax import state as state_lib
+        model = nnx.eval_shape(lambda: state_lib.make_model(self.cfg.model, self.cfg.seed))
+        num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model)))
+        return metrics_lib.model_flops_per_token(self.cfg, num_params) * self.cfg.batch_size * self.cfg.seq_len
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.links.close()
+        self._pool.shutdown(wait=False)

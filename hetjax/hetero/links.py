@@ -1,0 +1,123 @@
+"""The links of one island to the others: an endpoint per pair of islands, and the
+exchanges every step needs (activations to a neighbour, gradients and scalars to all).
+
+Pair (i, j), i < j, is link number `pair_index(i, j, n)`; neighbours (k, k+1) are
+link k, and config.hetero.links[k] (else config.hetero.link) carries it. In
+virtual mode every island of the job lives in this process and talks through the
+`local` backend; otherwise each process listens on its island's addresses
+(hetjax.hetero.runtime) and tags name the step, so a message never matches
+another step's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from hetjax.transfer import TransferTimeout, open_endpoint
+
+
+class IslandLost(RuntimeError):
+    """A peer island stopped answering: names the island and the rank."""
+
+
+def pair_index(i: int, j: int, n: int) -> int:
+    """Neighbours first (k, k+1) -> k, then the other pairs in order."""
+    i, j = min(i, j), max(i, j)
+    if j == i + 1:
+        return i
+    others = [p for p in itertools.combinations(range(n), 2) if p[1] != p[0] + 1]
+    return n - 1 + others.index((i, j))
+
+
+def link_config(cfg, i: int, j: int):
+    h = cfg.hetero
+    return h.links[min(i, j)] if h.links and abs(i - j) == 1 else h.link
+
+
+class Links:
+    """Island `k`'s endpoints to every other island, opened up front."""
+
+    def __init__(self, cfg, k: int, settings=None):
+        self.cfg, self.k, self.n = cfg, k, len(cfg.hetero.islands)
+        self.names = [i.name for i in cfg.hetero.islands]
+        self.settings = settings
+        self.endpoints, self.peers = {}, {}
+        self.transfer_seconds = 0.0  # time this island's host thread spent waiting on links
+        for j in range(self.n):
+            if j == k:
+                continue
+            link = link_config(cfg, k, j)
+            if settings is None:  # virtual: one process
+                self.endpoints[j] = open_endpoint(link, process_index=0)
+                continue
+            from hetjax.hetero import runtime
+            number = pair_index(k, j, self.n)
+            host, port = runtime.split_address(runtime.link_address(settings, self.names[k], settings.process_id, number))
+            self.endpoints[j] = open_endpoint(dataclasses.replace(link, bind_address=host, port=port))
+            spec = cfg.hetero.islands[j]
+            self.peers[j] = {p: (runtime.link_address(settings, self.names[j], p, number),)
+                             for p in range(spec.num_processes)}
+
+    def tag(self, src: int, dst: int, what: str) -> str:
+        return f"{self.names[src]}>{self.names[dst]}/{what}"
+
+    def send(self, j: int, tree, what: str, dst_layouts):
+        """Starts sending tree to island j (a Handle); dst_layouts: j's layouts of it."""
+        return self.endpoints[j].send(tree, self.tag(self.k, j, what), dst_layouts, self.peers.get(j))
+
+    def recv(self, j: int, what: str, like, src_layouts):
+        """Starts receiving from island j (a Handle): `like` has our shardings."""
+        return self.endpoints[j].recv(self.tag(j, self.k, what), like, src_layouts, self.peers.get(j))
+
+    def wait(self, handle, j: int):
+        """handle.wait(), timed, with a lost peer named by island (and rank when known)."""
+        t = time.perf_counter()
+        try:
+            return handle.wait()
+        except TransferTimeout as e:
+            spec = self.cfg.hetero.islands[j]
+            ranks = f"rank 0..{spec.num_processes - 1}" if spec.num_processes > 1 else "rank 0"
+            raise IslandLost(f"island {self.names[j]} ({ranks}) stopped answering island "
+                             f"{self.names[self.k]}: {e}") from e
+        finally:
+            self.transfer_seconds += time.perf_counter() - t
+
+    def all_to_all(self, tree, what: str, src_layouts_of, dst_layouts_of, like) -> list:
+        """Every island's `tree`, in island order (ours included as given): we send ours to
+        every other island and receive theirs. *_layouts_of(j): island j's layouts of it."""
+        sends = [(j, self.send(j, tree, what, dst_layouts_of(j))) for j in self.endpoints]
+        recvs = {j: self.recv(j, what, like, src_layouts_of(j)) for j in self.endpoints}
+        out = [tree if j == self.k else self.wait(recvs[j], j) for j in range(self.n)]
+        for j, h in sends:
+            self.wait(h, j)
+        return out
+
+    def gather(self, values, what: str, mesh) -> np.ndarray:
+        """(islands, *values.shape) on the host: every island's small array `values`
+        (replicated on each island), bits unchanged, in island order."""
+        replicated = NamedSharding(mesh, PartitionSpec())
+        mine = jax.device_put(jnp.asarray(values), replicated)
+        from hetjax.hetero.island import Geometry
+
+        def layout(j):
+            return Geometry.of(self.cfg.hetero.islands[j], self.cfg.hetero.virtual).layout(PartitionSpec())
+
+        like = jax.ShapeDtypeStruct(mine.shape, mine.dtype, sharding=replicated)
+        got = self.all_to_all(mine, what, layout, layout, like)
+        return np.stack([np.asarray(jax.device_get(x)) for x in got])
+
+    def totals(self, values, what: str, mesh) -> np.ndarray:
+        """Every island's float32 `values` added in island order (the same on every island)."""
+        table = self.gather(jnp.asarray(values, jnp.float32), what, mesh).astype(np.float64)
+        return table.sum(0), table
+
+    def close(self) -> None:
+        for ep in self.endpoints.values():
+            ep.close()

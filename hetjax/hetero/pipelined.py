@@ -1,0 +1,154 @@
+"""Pipeline placement: each island is one stage and runs its own operations of the
+schedule (hetjax.pipeline.schedule, `Schedule.ops`), in order, without lockstep
+ticks. Activations go forward and their gradients backward through the transfer
+primitive. Receives are posted when the step starts and sends return at once, so
+the links work while the island computes; an island waits only for the input its
+next operation needs. Each island compiles only its own stage programs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetjax import sharding
+from hetjax.hetero import island as island_lib
+from hetjax.hetero.update import make_apply, sum_of_squares
+from hetjax.pipeline.schedule import forward_only, make_schedule
+from hetjax.pipeline.stages import stage_backward, stage_forward
+from hetjax.step import _split_micro
+
+
+class PipelineStage:
+    """Island k's stage: its programs, and one training or eval step of the schedule."""
+
+    def __init__(self, island: island_lib.Island, links):
+        self.island, self.links = island, links
+        cfg, k, n = island.cfg, island.index, island.count
+        self.M = cfg.pipeline.microbatches
+        self.ops = make_schedule(cfg.pipeline.schedule, n, self.M).ops(k)
+        self.eval_ops = [("F", int(m)) for m in forward_only(n, self.M)[:, k] if m >= 0]
+        self.tied = cfg.model.tie_embeddings
+        mesh, rules, graphdef = island.mesh, island.rules, island.graphdef
+        first, last = island.first, island.last
+        act = island.activation_sharding()
+        params_sh = island.shardings.params
+        replicated = island.replicated()
+        dtype = jnp.dtype(cfg.model.dtype)
+        self.act_like = jax.ShapeDtypeStruct((cfg.batch_size // self.M, cfg.seq_len, cfg.model.embed_dim),
+                                             dtype, sharding=act)
+        spec = sharding.spec_for(island_lib.ACTIVATION, rules)
+        self.act_layout = {j: island_lib.Geometry.of(cfg.hetero.islands[j], cfg.hetero.virtual).layout(spec)
+                           for j in range(n)}
+
+        def pick(batch, m):
+            with sharding.logical_rules(mesh, rules):
+                return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(
+                    _split_micro(x, self.M), m, keepdims=False), batch)
+
+        def fwd(params, batch, m, x):
+            with sharding.logical_rules(mesh, rules):
+                return stage_forward(graphdef, params, x, pick(batch, m), first=first, last=last)
+
+        def bwd(params, acc, loss, batch, m, x, dy):
+            with sharding.logical_rules(mesh, rules):
+                g, dx, l = stage_backward(graphdef, params, x, pick(batch, m), dy, first=first, last=last)
+            return jax.tree.map(jnp.add, acc, g), (None if first else dx), loss + l
+
+        self.fwd = jax.jit(fwd, out_shardings=replicated if last else act)
+        self.bwd = jax.jit(bwd, out_shardings=(params_sh, None if first else act, replicated),
+                           donate_argnums=(1, 2))
+        self.zeros = jax.jit(lambda p: (jax.tree.map(jnp.zeros_like, p), jnp.zeros((), jnp.float32)),
+                             out_shardings=(params_sh, replicated))
+        self.count = jax.jit(lambda b: jnp.sum(b["loss_mask"].astype(jnp.float32)), out_shardings=replicated)
+        mask = island_lib.owned(island.abstract.params, k, n, self.tied)
+        self.sumsq = jax.jit(lambda g: sum_of_squares(g, mask), out_shardings=replicated)
+        self.apply = jax.jit(make_apply(cfg, island.tx), donate_argnums=0,
+                             out_shardings=(island.shardings, replicated))
+        self.shared = island_lib.shared(island.abstract.params, n, self.tied)
+        self._add = jax.jit(lambda parts: jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts))
+
+    # -- one pass of the schedule -------------------------------------------------
+
+    def _run(self, params, batch, what: str, ops, train: bool):
+        links, k, last = self.links, self.island.index, self.island.last
+        prev, nxt = k - 1, k + 1
+        recv_x = {m: links.recv(prev, f"{what}/x{m}", self.act_like, self.act_layout[prev])
+                  for op, m in ops if op == "F" and k > 0}
+        recv_dy = {m: links.recv(nxt, f"{what}/dy{m}", self.act_like, self.act_layout[nxt])
+                   for op, m in ops if op == "B" and not last}
+        acc, loss = self.zeros(params) if train else (None, jnp.zeros((), jnp.float32))
+        stash, sends = {}, []
+        for op, m in ops:
+            mm = np.int32(m)
+            if op == "F":
+                x = links.wait(recv_x.pop(m), prev) if k > 0 else None
+                if train:
+                    stash[m] = x
+                if last and train:
+                    continue  # the last stage's backward computes its forward and the loss
+                y = self.fwd(params, batch, mm, x)
+                if last:
+                    loss = loss + y
+                else:
+                    sends.append((nxt, links.send(nxt, y, f"{what}/x{m}", self.act_layout[nxt])))
+            else:
+                dy = None if last else links.wait(recv_dy.pop(m), nxt)
+                acc, dx, loss = self.bwd(params, acc, loss, batch, mm, stash.pop(m), dy)
+                if k > 0:
+                    sends.append((prev, links.send(prev, dx, f"{what}/dy{m}", self.act_layout[prev])))
+        for j, h in sends:
+            links.wait(h, j)
+        return acc, loss
+
+    def train_step(self, state, batch, what: str, stop: bool):
+        """One step; returns (state, metrics, every island's stop flag)."""
+        isl = self.island
+        grads, loss = self._run(state.params, batch, what, self.ops, train=True)
+        if self.shared:
+            grads = self._add_shared(grads, what)
+        count = self.count(batch)
+        # Every island needs the same totals: the loss is the last island's, the squared
+        # norm a sum over islands of the leaves each one owns.
+        mine = [loss if isl.last else 0.0, count if isl.last else 0.0, self.sumsq(grads), float(stop)]
+        totals, table = self.links.totals(jnp.stack([jnp.asarray(v, jnp.float32) for v in mine]),
+                                          f"{what}/totals", isl.mesh)
+        state, metrics = self.apply(state, grads, jnp.asarray(totals[:3], jnp.float32))
+        return state, metrics, table[:, 3]
+
+    def _add_shared(self, grads, what: str):
+        """A leaf that several islands hold (a tied embedding): every holder adds all
+        holders' gradients in island order, so all keep identical copies."""
+        isl, n, flatten = self.island, self.island.count, jax.tree_util.tree_flatten_with_path
+        keys = [jax.tree_util.keystr(p) for p, _ in flatten(grads)[0]]
+        is_shared = [island_lib._top(p) in self.shared for p, _ in flatten(grads)[0]]
+        leaves, treedef = jax.tree.flatten(grads)
+        shards = jax.tree.leaves(isl.shardings.params)
+        mine = {key: x for key, x, keep in zip(keys, leaves, is_shared) if keep}
+        shard = {key: s for key, s, keep in zip(keys, shards, is_shared) if keep}
+        like = {key: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard[key]) for key, x in mine.items()}
+        holders = island_lib.holders(self.shared[0], n, self.tied)
+
+        def layouts(j):
+            geometry = island_lib.Geometry.of(isl.cfg.hetero.islands[j], isl.cfg.hetero.virtual)
+            return {key: geometry.layout(s.spec) for key, s in shard.items()}
+
+        others = [j for j in holders if j != isl.index]
+        sends = [(j, self.links.send(j, mine, f"{what}/shared", layouts(j))) for j in others]
+        recvs = {j: self.links.recv(j, f"{what}/shared", like, layouts(j)) for j in others}
+        parts = [mine if j == isl.index else self.links.wait(recvs[j], j) for j in holders]
+        for j, h in sends:
+            self.links.wait(h, j)
+        total = self._add(parts)
+        return jax.tree.unflatten(treedef, [total[key] if keep else x
+                                            for key, x, keep in zip(keys, leaves, is_shared)])
+
+    def eval_sums(self, params, batch, what: str) -> np.ndarray:
+        """(loss sum, tokens) of an eval batch, the same on every island."""
+        isl = self.island
+        _, loss = self._run(params, batch, what, self.eval_ops, train=False)
+        count = self.count(batch)
+        mine = jnp.stack([jnp.asarray(loss if isl.last else 0.0, jnp.float32),
+                          jnp.asarray(count if isl.last else 0.0, jnp.float32)])
+        return self.links.totals(mine, f"{what}/totals", isl.mesh)[0]

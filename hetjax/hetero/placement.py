@@ -1,0 +1,73 @@
+"""Where the work goes: contiguous layers per island (pipeline placement) or rows of
+the global batch per island (data placement), from speeds or from a measurement."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from hetjax.config import ConfigError
+
+
+def proportional(total: int, weights, units=None, what: str = "") -> tuple[int, ...]:
+    """Splits `total` into integer parts near weights/sum(weights), part k a positive
+    multiple of units[k] (largest remainder first); ConfigError if none fits."""
+    weights = np.asarray(weights, float)
+    units = np.ones(len(weights), int) if units is None else np.asarray(units, int)
+    ideal = total * weights / weights.sum()
+    parts = np.maximum(units, np.floor(ideal / units).astype(int) * units)
+    while parts.sum() > total:  # the minimums overshot: shrink the most over-served part
+        over = [k for k in range(len(parts)) if parts[k] > units[k]]
+        if not over:
+            break
+        k = max(over, key=lambda k: parts[k] - ideal[k])
+        parts[k] -= units[k]
+    for _ in range(int(total)):  # hand out what is left, largest shortfall first
+        left = total - parts.sum()
+        fits = [k for k in range(len(parts)) if units[k] <= left]
+        if left == 0 or not fits:
+            break
+        k = max(fits, key=lambda k: ideal[k] - parts[k])
+        parts[k] += units[k]
+    if parts.sum() != total:
+        raise ConfigError(
+            f"{what}: {total} cannot be split over the islands in positive multiples of "
+            f"{tuple(int(u) for u in units)}; change the total or the islands' meshes")
+    return tuple(int(p) for p in parts)
+
+
+def island_layers(cfg, speeds=None) -> tuple[int, ...]:
+    """Layers per island for placement='pipeline': config.hetero.island_layers, else in
+    proportion to `speeds` (measured) or the islands' configured speed weights."""
+    h = cfg.hetero
+    if h.island_layers:
+        return tuple(h.island_layers)
+    weights = speeds if speeds is not None else [i.speed for i in h.islands]
+    return proportional(cfg.model.num_layers, weights, what="config.model.num_layers")
+
+
+def batch_shares(cfg) -> tuple[tuple[int, int], ...]:
+    """(first row, rows) of the global batch per island for placement='data': in
+    proportion to speed, each share a multiple of what the island's mesh splits rows into."""
+    units = []
+    for island in cfg.hetero.islands:
+        m = island.mesh
+        devices = island.num_processes * island.devices_per_process
+        sizes = {a: getattr(m, a) for a in ("pipeline", "data", "fsdp", "tensor")}
+        wild = [a for a, s in sizes.items() if s == -1]
+        if wild:
+            sizes[wild[0]] = devices // math.prod(s for s in sizes.values() if s != -1)
+        unit = sizes["data"] * sizes["fsdp"]
+        if sizes["pipeline"] > 1:
+            unit *= cfg.pipeline.microbatches
+        units.append(unit)
+    rows = proportional(cfg.batch_size, [i.speed for i in cfg.hetero.islands], units,
+                        what=f"config.batch_size={cfg.batch_size}")
+    starts = np.concatenate([[0], np.cumsum(rows)[:-1]])
+    return tuple((int(s), int(n)) for s, n in zip(starts, rows))
+
+
+def balance(seconds_per_layer) -> list[float]:
+    """Speeds from measured seconds per layer (placement='pipeline', auto_split)."""
+    return [1.0 / max(t, 1e-9) for t in seconds_per_layer]

@@ -1,0 +1,98 @@
+"""Data placement: every island holds the whole model and trains on its share of the
+global batch. It reduces its gradients with its own collectives (XLA, inside its
+step program), then islands exchange them through the transfer primitive and add
+them in island order. Sums of token losses add up to the whole batch's, so
+dividing by the total token count weights each island by its share exactly, and
+every island applies the same update to bitwise-identical parameters.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetjax import checkpoint, pipeline, step
+from hetjax.hetero import island as island_lib
+from hetjax.hetero.update import make_apply, sum_of_squares
+
+
+class IslandsDiverged(RuntimeError):
+    """Islands that must hold identical parameters do not."""
+
+
+class DataShare:
+    """Island k's replica: its gradient and eval programs, and one step."""
+
+    def __init__(self, island: island_lib.Island, links):
+        self.island, self.links = island, links
+        isl = island
+        replicated = isl.replicated()
+        params_sh = isl.shardings.params
+        if isl.plan is None:
+            grad_fn = step.make_grad_fn(isl.graphdef, isl.mesh, isl.rules, isl.cfg.optim.grad_accum_steps)
+        else:
+            grad_fn = pipeline.spmd.make_grad_fn(isl.graphdef, isl.mesh, isl.rules, isl.plan)
+        self.grads = jax.jit(grad_fn, out_shardings=(replicated, replicated, params_sh))
+        self.eval = jax.jit(pipeline.eval_step_fn(isl.icfg, isl.graphdef, isl.mesh, isl.plan),
+                            out_shardings=replicated)
+        self.add = jax.jit(lambda parts: jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts),
+                           out_shardings=params_sh)
+        self.sumsq = jax.jit(sum_of_squares, out_shardings=replicated)
+        self.apply = jax.jit(make_apply(isl.cfg, isl.tx), donate_argnums=0,
+                             out_shardings=(isl.shardings, replicated))
+        self.like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                 isl.abstract.params, params_sh)
+        self.layouts = [island_lib.remote_layouts(isl.cfg, j, param_specs(isl.cfg, j))
+                        for j in range(isl.count)]
+
+    def train_step(self, state, batch, what: str, stop: bool):
+        """One step; returns (state, metrics, every island's stop flag)."""
+        isl = self.island
+        loss, count, grads = self.grads(state.params, batch)
+        parts = self.links.all_to_all(grads, f"{what}/grads", lambda j: self.layouts[j],
+                                      lambda j: self.layouts[j], self.like)
+        grads = self.add(parts)
+        # Island 0's norm for all: another island's reduction order could round differently.
+        sumsq = self.sumsq(grads) if isl.first else jnp.zeros((), jnp.float32)
+        totals, table = self.links.totals(jnp.stack([loss, count, sumsq, jnp.float32(stop)]),
+                                          f"{what}/totals", isl.mesh)
+        state, metrics = self.apply(state, grads, jnp.asarray(totals[:3], jnp.float32))
+        return state, metrics, table[:, 3]
+
+    def eval_sums(self, params, batch, what: str) -> np.ndarray:
+        out = self.eval(params, batch)
+        mine = jnp.stack([out["loss_sum"], out["tokens"]]).astype(jnp.float32)
+        return self.links.totals(mine, f"{what}/totals", self.island.mesh)[0]
+
+    def check_identical(self, params, what: str) -> None:
+        """Compares exact, layout-independent hashes of every parameter across islands;
+        IslandsDiverged names the first leaf and islands that differ."""
+        isl = self.island
+        hashes = checkpoint.leaf_hashes(params)
+        names = sorted(hashes)
+        words = np.array([[int(hashes[k][:8], 16), int(hashes[k][8:], 16)] for k in names], np.uint32)
+        got = self.links.gather(words, what, isl.mesh)  # (islands, tensors, 2)
+        for j in range(isl.count):
+            bad = np.nonzero((got[j] != got[0]).any(-1))[0]
+            if len(bad):
+                spec = isl.cfg.hetero.islands
+                raise IslandsDiverged(
+                    f"{what}: island {spec[j].name} holds different parameters than island {spec[0].name} "
+                    f"({len(bad)} of {len(names)} tensors differ, first {names[bad[0]]}); the islands' "
+                    f"updates are not bitwise identical on these platforms, so stop rather than train "
+                    f"diverging replicas")
+
+
+def param_specs(cfg, k: int):
+    """Island k's PartitionSpecs of the model's parameters, from the config alone."""
+    from hetjax import optim
+    from hetjax import state as state_lib
+    geometry = island_lib.Geometry.of(cfg.hetero.islands[k], cfg.hetero.virtual)
+    mesh = geometry.abstract_mesh()
+    icfg = island_lib.island_config(cfg, k)
+    plan = pipeline.make_plan(icfg, mesh)
+    rules = pipeline.rules(icfg, plan)
+    _, abstract = pipeline.abstract_state(icfg, optim.make_optimizer(icfg.optim, cfg.steps), plan)
+    shardings = state_lib.state_shardings(abstract, mesh, rules).params
+    return island_lib.specs(shardings)
