@@ -115,16 +115,18 @@ def secret_env(cfg: Config, environ=None) -> dict[str, str]:
 class Process:
     settings: runtime.ProcessSettings
     popen: subprocess.Popen
-    reader: threading.Thread
+    reader: threading.Thread | None
 
 
-def _pump(stream, prefix: str, log_path: Path, out, lock) -> None:
+def _pump(stream, prefix: str, log_path: Path, out, lock, on_line) -> None:
     with open(log_path, "w", buffering=1) as log:
         for line in iter(stream.readline, ""):
             log.write(line)
             with lock:
                 out.write(prefix + line)
                 out.flush()
+            if on_line is not None:
+                on_line(line)
     stream.close()
 
 
@@ -137,12 +139,13 @@ def _signal_group(proc: subprocess.Popen, sig) -> None:
 
 def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str = "",
         backend: str | None = None, timeout_s: float | None = None, command: list[str] | None = None,
-        island_overrides: dict[str, dict[str, str]] | None = None, out=None) -> int:
+        island_overrides: dict[str, dict[str, str]] | None = None, out=None, on_line=None) -> int:
     """Runs the job to its end; returns 0, or the exit status of the first process that failed.
 
     command: what each process runs before `--config ...` (default: python -m hetjax.train).
     island_overrides: extra --config.KEY=VALUE for one island's processes (to test that
     islands with different configs refuse to start).
+    on_line(process, line): called with each output line of each Process (a watchdog's hook).
     """
     out = sys.stdout if out is None else out
     cfg, overrides = job_config(config, overrides, backend)
@@ -178,10 +181,12 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
                                      env=process_env(s, island, first, shared), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, errors="replace",
                                      start_new_session=True)
-            reader = threading.Thread(target=_pump, daemon=True, args=(
-                popen.stdout, f"[{s.tag}] ", logs / f"{s.island}-{s.process_id}.log", out, lock))
-            reader.start()
-            procs.append(Process(s, popen, reader))
+            proc = Process(s, popen, None)
+            hook = None if on_line is None else lambda line, proc=proc: on_line(proc, line)
+            proc.reader = threading.Thread(target=_pump, daemon=True, args=(
+                popen.stdout, f"[{s.tag}] ", logs / f"{s.island}-{s.process_id}.log", out, lock, hook))
+            proc.reader.start()
+            procs.append(proc)
         say(f"started {len(procs)} processes of islands {', '.join(islands)}; logs in {logs}")
         status = _supervise(procs, timeout_s, stop, say)
     finally:
