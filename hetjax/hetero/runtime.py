@@ -1,0 +1,204 @@
+"""One process of an island: its settings (from the environment) and its jax.distributed start.
+
+Each island is its own `jax.distributed` world with its own coordinator; processes of
+different islands meet only through the transfer primitive, at the addresses listed
+here. Launchers (launch/local.py; SLURM and Kubernetes recipes later) write the settings
+with `ProcessSettings.to_env()`, and every process reads them back with `from_env`: the
+one code path from environment to settings.
+
+    settings = runtime.ProcessSettings.from_env(os.environ, cfg)   # None: not an islands job
+    runtime.initialize(settings, island_cfg, cfg.hetero.timeout_s)  # before jax.devices()
+    runtime.link_address(settings, "b", 0, link=0)   # "host:port" of a peer's endpoint
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import socket
+import time
+
+from hetjax.config import PLATFORMS, Config, ConfigError, IslandConfig
+from hetjax.transfer.link import address
+
+ISLAND = "HETJAX_ISLAND"
+PROCESS_ID = "HETJAX_PROCESS_ID"
+COORDINATOR = "HETJAX_COORDINATOR"
+TRANSFER_ADDRESSES = "HETJAX_TRANSFER_ADDRESSES"
+STAND_IN = "HETJAX_STAND_IN"
+
+
+class IslandStartError(RuntimeError):
+    """An island's jax.distributed world did not form (a dead or unreachable coordinator)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSettings:
+    """Where one process belongs: its island, its rank there, and every transfer address."""
+
+    island: str
+    process_id: int  # rank within the island
+    num_processes: int  # of this island
+    coordinator: str  # "host:port" of this island's jax.distributed coordinator
+    # island name -> one "host:port" base address per process of that island; the
+    # process listens for link k on base port + k (see link_address).
+    transfer: dict
+    stand_in: str = ""  # run on this platform instead of the island's own ("cpu" here)
+
+    @property
+    def tag(self) -> str:
+        """`island:rank`, how logs and errors name this process."""
+        return f"{self.island}:{self.process_id}"
+
+    def platform(self, island: IslandConfig) -> str:
+        """The platform this process really runs on."""
+        return self.stand_in or island.platform
+
+    def to_env(self) -> dict[str, str]:
+        """The environment variables that `from_env` reads back."""
+        return {ISLAND: self.island, PROCESS_ID: str(self.process_id), COORDINATOR: self.coordinator,
+                TRANSFER_ADDRESSES: json.dumps({k: list(v) for k, v in self.transfer.items()}),
+                STAND_IN: self.stand_in}
+
+    @classmethod
+    def from_env(cls, environ, cfg: Config) -> ProcessSettings | None:
+        """This process's settings, or None when HETJAX_ISLAND is unset (not an islands job).
+
+        Raises ConfigError naming the variable, its value and the fix when the environment
+        does not fit cfg.hetero.islands.
+        """
+        name = environ.get(ISLAND)
+        if name is None:
+            return None
+        islands = {i.name: i for i in cfg.hetero.islands}
+        if name not in islands:
+            raise ConfigError(f"{ISLAND}={name!r} is not an island of config.hetero.islands "
+                              f"({', '.join(islands) or 'none'}); set it to one of them, or unset it for "
+                              f"a single-island run")
+        island = islands[name]
+        text = environ.get(PROCESS_ID, "")
+        if not text.isdigit() or int(text) >= island.num_processes:
+            raise ConfigError(f"{PROCESS_ID}={text!r}: island {name!r} has {island.num_processes} "
+                              f"process(es); give this process's rank 0..{island.num_processes - 1}")
+        coordinator = environ.get(COORDINATOR, "")
+        split_address(coordinator, COORDINATOR)
+        text = environ.get(TRANSFER_ADDRESSES, "")
+        try:
+            transfer = json.loads(text)
+        except json.JSONDecodeError:
+            transfer = None
+        if not isinstance(transfer, dict) or set(transfer) != set(islands):
+            raise ConfigError(f"{TRANSFER_ADDRESSES}={text!r}: give a JSON object with one list of "
+                              f"host:port per island ({', '.join(islands)}), e.g. "
+                              f'{{"{name}": ["127.0.0.1:9000"], ...}}')
+        for key, addresses in transfer.items():
+            n = islands[key].num_processes
+            if not isinstance(addresses, list) or len(addresses) != n:
+                raise ConfigError(f"{TRANSFER_ADDRESSES}: island {key!r} lists {addresses!r} but has {n} "
+                                  f"process(es) (config.hetero.islands); give one host:port per process")
+            for a in addresses:
+                split_address(a, f"{TRANSFER_ADDRESSES}[{key!r}]")
+        stand_in = environ.get(STAND_IN, "")
+        if stand_in and stand_in not in PLATFORMS:
+            raise ConfigError(f"{STAND_IN}={stand_in!r}: choose one of {PLATFORMS}, or leave it empty to run "
+                              f"on the island's own platform")
+        return cls(name, int(environ[PROCESS_ID]), island.num_processes, coordinator,
+                   {k: tuple(v) for k, v in transfer.items()}, stand_in)
+
+
+def split_address(text: str, where: str = "address") -> tuple[str, int]:
+    """"host:port" or "[v6]:port" -> (host, port); a ConfigError naming `where` otherwise."""
+    host, sep, port = str(text).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{where}={text!r}: expected host:port, e.g. 127.0.0.1:8476")
+    return host, int(port)
+
+
+def num_links(cfg: Config) -> int:
+    """Transfer ports a process needs: one per pair of islands (hetero.links.pair_index
+    numbers neighbours k, k+1 as link k, then the other pairs)."""
+    n = len(cfg.hetero.islands)
+    return max(n * (n - 1) // 2, 1)
+
+
+from_env = ProcessSettings.from_env
+
+
+def link_address(settings: ProcessSettings, island: str, process: int, link: int) -> str:
+    """"host:port" where `process` of `island` listens for link number `link` (base port + link;
+    link k joins islands k and k+1)."""
+    if island not in settings.transfer or not 0 <= process < len(settings.transfer[island]):
+        raise ValueError(f"no transfer address for process {process} of island {island!r}; "
+                         f"known: { {k: len(v) for k, v in settings.transfer.items()} }")
+    assert link >= 0, link
+    host, port = split_address(settings.transfer[island][process], f"{TRANSFER_ADDRESSES}[{island!r}]")
+    return address(host, port + link)
+
+
+def distributed_kwargs(timeout_s: float) -> dict[str, int]:
+    """jax.distributed.initialize's timeouts, as far as the installed jax knows them: the
+    world must form, notice a dead member and shut down within about timeout_s."""
+    import jax
+    seconds = max(1, math.ceil(timeout_s))
+    # The coordination service notices a silent member up to a heartbeat timeout after
+    # the first one passed (measured: 4-8 s for 4 s), so half of timeout_s keeps the
+    # whole detection inside it.
+    heartbeat = max(2, math.ceil(timeout_s / 2))
+    wanted = {"initialization_timeout": seconds, "heartbeat_timeout_seconds": heartbeat,
+              "shutdown_timeout_seconds": seconds}
+    known = inspect.signature(jax.distributed.initialize).parameters
+    return {k: v for k, v in wanted.items() if k in known}
+
+
+def wait_for_port(address: str, timeout_s: float, what: str) -> None:
+    """Returns once `address` accepts a TCP connection; IslandStartError after timeout_s."""
+    host, port = split_address(address, "address")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise IslandStartError(f"{what} at {address} did not answer within {timeout_s:g}s "
+                                       f"(config.hetero.timeout_s): {e}; is it running?") from None
+            time.sleep(0.1)
+
+
+def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float) -> None:
+    """Joins this process to its island's jax.distributed world (call before jax.devices()).
+
+    On CPU, cross-process collectives inside the island go over gloo. A coordinator that
+    does not answer within timeout_s raises IslandStartError naming the island; after the
+    start, a member that dies makes the others fail within about timeout_s (heartbeats).
+    """
+    import jax
+    from hetjax.compile import backend
+    if backend.backends_started():
+        raise IslandStartError(f"island {settings.tag}: jax's backends already exist; call "
+                               f"hetero.runtime.initialize before anything touches a device")
+    if settings.platform(island) == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if settings.process_id:
+        # jax aborts the process (no exception) when its coordinator never answers; wait
+        # for the coordinator's port here so that this case is an error naming the island.
+        wait_for_port(settings.coordinator, timeout_s, f"island {settings.tag}: the coordinator "
+                      f"(process 0 of island {settings.island!r})")
+    try:
+        jax.distributed.initialize(settings.coordinator, num_processes=settings.num_processes,
+                                   process_id=settings.process_id, **distributed_kwargs(timeout_s))
+    except Exception as e:  # jax raises XlaRuntimeError (DEADLINE_EXCEEDED, UNAVAILABLE, ...)
+        raise IslandStartError(
+            f"island {settings.tag} could not join its jax.distributed world at "
+            f"{settings.coordinator} within {timeout_s:g}s (config.hetero.timeout_s): "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    found = len(jax.local_devices())
+    if found != island.devices_per_process:
+        raise ConfigError(
+            f"island {island.name!r} process {settings.process_id} sees {found} local device(s) but "
+            f"config.hetero.islands[{island.name}].devices_per_process={island.devices_per_process}; "
+            f"fix the config or the devices visible to the process (XLA_FLAGS="
+            f"--xla_force_host_platform_device_count=N on CPU, CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")

@@ -1,0 +1,1 @@
+"""Launchers: start every process of a multi-island job (local.py: on this machine)."""

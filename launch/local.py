@@ -1,0 +1,294 @@
+"""Starts a whole multi-island job on this machine and stops all of it if one process fails.
+
+    python -m launch.local --config configs/X.py [--config.KEY=VALUE ...] [--stand_in cpu]
+                           [--backend host|direct]
+
+Every process of every island runs `python -m hetjax.train` with its own environment
+(hetjax.hetero.runtime.ProcessSettings.to_env(): island, rank, the island's coordinator,
+every process's transfer address; and the devices it may use). Each output line is
+echoed as `[island:rank] ...` and kept in run_dir/logs/<island>-<rank>.log. When a
+process exits non-zero, the others get config.hetero.timeout_s to stop by themselves
+(a dead peer makes them fail with their own timeout errors), then SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from hetjax import config as config_lib
+from hetjax.config import Config, ConfigError
+from hetjax.hetero import runtime
+from hetjax.transfer.link import address
+
+REPO = Path(__file__).resolve().parent.parent
+KILL_GRACE_S = 10.0  # after SIGTERM, before SIGKILL
+_VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}
+
+
+def free_ports(count: int, span: int = 1, host: str = "127.0.0.1") -> list[int]:
+    """`count` free base ports, each followed by span - 1 more free ones (base + k, k < span)."""
+    ports: list[int] = []
+    with ExitStack() as stack:  # hold every socket until all are chosen: no port twice
+        def bind(port):
+            s = stack.enter_context(socket.socket())
+            s.bind((host, port))
+            return s.getsockname()[1]
+        while len(ports) < count:
+            base = bind(0)
+            try:
+                for k in range(1, span):
+                    bind(base + k)
+            except OSError:
+                continue  # a neighbour is taken: draw another base
+            ports.append(base)
+    return ports
+
+
+def plan(cfg: Config, stand_in: str = "", host: str = "127.0.0.1") -> list[runtime.ProcessSettings]:
+    """Settings of every process of the job: a coordinator per island, a transfer base port
+    per process with room for one port per link (runtime.link_address)."""
+    islands = cfg.hetero.islands
+    total = sum(i.num_processes for i in islands)
+    coordinators = free_ports(len(islands), host=host)
+    bases = iter(free_ports(total, runtime.num_links(cfg), host))
+    transfer = {i.name: tuple(address(host, next(bases)) for _ in range(i.num_processes)) for i in islands}
+    return [runtime.ProcessSettings(i.name, p, i.num_processes, address(host, port), transfer, stand_in)
+            for i, port in zip(islands, coordinators) for p in range(i.num_processes)]
+
+
+def process_env(settings: runtime.ProcessSettings, island, first_device: int, base=None) -> dict[str, str]:
+    """The environment of one process: the settings, its platform and its devices."""
+    env = dict(os.environ if base is None else base)
+    env.update(settings.to_env())
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env["PYTHONUNBUFFERED"] = "1"  # lines reach the log as they are printed
+    platform = settings.platform(island)
+    env["JAX_PLATFORMS"] = platform
+    if platform == "cpu":
+        flags = [f for f in env.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={island.devices_per_process}"])
+    else:  # several processes of GPU islands on one machine: each takes its own GPUs
+        ids = range(first_device, first_device + island.devices_per_process)
+        env[_VISIBLE[platform]] = ",".join(map(str, ids))
+    return env
+
+
+def job_config(config: str, overrides: dict[str, str] | None, backend: str | None) -> tuple[Config, dict]:
+    """The config every process runs, and the overrides that make it (virtual islands off)."""
+    overrides = dict(overrides or {}, **{"hetero.virtual": "False"})
+    cfg = config_lib.load(config, overrides)
+    if not cfg.hetero.islands:
+        raise ConfigError(f"--config={config!r} has no config.hetero.islands; launch.local starts "
+                          f"multi-island jobs (run python -m hetjax.train for a single island)")
+    if cfg.hetero.links and backend:
+        raise ConfigError(f"--backend={backend} sets config.hetero.link, but config.hetero.links sets "
+                          f"each link itself; set config.hetero.links[k].backend instead")
+    if not cfg.hetero.links and (backend or cfg.hetero.link.backend == "local"):
+        overrides["hetero.link.backend"] = backend or "host"  # processes cannot share 'local'
+        cfg = config_lib.override(cfg, "hetero.link.backend", overrides["hetero.link.backend"])
+    config_lib.validate(cfg)
+    return cfg, overrides
+
+
+def secret_env(cfg: Config, environ=None) -> dict[str, str]:
+    """The job's transfer secret: the user's if set, else a fresh random one for this job."""
+    environ = os.environ if environ is None else environ
+    out = {}
+    for link in cfg.hetero.links or (cfg.hetero.link,):
+        if not link.secret_file and not environ.get(link.secret_env):
+            out.setdefault(link.secret_env, secrets.token_hex(32))
+    return out
+
+
+@dataclasses.dataclass
+class Process:
+    settings: runtime.ProcessSettings
+    popen: subprocess.Popen
+    reader: threading.Thread | None
+
+
+def _pump(stream, prefix: str, log_path: Path, out, lock, on_line) -> None:
+    with open(log_path, "w", buffering=1) as log:
+        for line in iter(stream.readline, ""):
+            log.write(line)
+            with lock:
+                out.write(prefix + line)
+                out.flush()
+            if on_line is not None:
+                on_line(line)
+    stream.close()
+
+
+def _signal_group(proc: subprocess.Popen, sig) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the process and its children (grain workers)
+    except ProcessLookupError:
+        pass
+
+
+def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str = "",
+        backend: str | None = None, timeout_s: float | None = None, command: list[str] | None = None,
+        island_overrides: dict[str, dict[str, str]] | None = None, out=None, on_line=None) -> int:
+    """Runs the job to its end; returns 0, or the exit status of the first process that failed.
+
+    command: what each process runs before `--config ...` (default: python -m hetjax.train).
+    island_overrides: extra --config.KEY=VALUE for one island's processes (to test that
+    islands with different configs refuse to start).
+    on_line(process, line): called with each output line of each Process (a watchdog's hook).
+    """
+    out = sys.stdout if out is None else out
+    cfg, overrides = job_config(config, overrides, backend)
+    timeout_s = cfg.hetero.timeout_s if timeout_s is None else timeout_s
+    islands = {i.name: i for i in cfg.hetero.islands}
+    unknown = set(island_overrides or {}) - set(islands)
+    if unknown:
+        raise ConfigError(f"island_overrides names {sorted(unknown)}, not islands of config.hetero.islands "
+                          f"({', '.join(islands)})")
+    command = [sys.executable, "-m", "hetjax.train"] if command is None else list(command)
+    logs = Path(cfg.run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    shared = dict(os.environ, **secret_env(cfg))
+    lock, procs, next_device = threading.Lock(), [], {}
+
+    def say(text):
+        with lock:
+            out.write(f"[launch] {text}\n")
+            out.flush()
+
+    stop = []  # a signal asked the launcher to stop the job
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handlers[sig] = signal.signal(sig, lambda s, _: stop.append(s))
+    try:
+        for s in plan(cfg, stand_in):
+            island = islands[s.island]
+            first = next_device.get(s.platform(island), 0)
+            next_device[s.platform(island)] = first + island.devices_per_process
+            args = [f"--config.{k}={v}" for k, v in {**overrides, **(island_overrides or {}).get(s.island, {})}.items()]
+            popen = subprocess.Popen(command + ["--config", config] + args, cwd=os.getcwd(),
+                                     env=process_env(s, island, first, shared), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, errors="replace",
+                                     start_new_session=True)
+            proc = Process(s, popen, None)
+            hook = None if on_line is None else lambda line, proc=proc: on_line(proc, line)
+            proc.reader = threading.Thread(target=_pump, daemon=True, args=(
+                popen.stdout, f"[{s.tag}] ", logs / f"{s.island}-{s.process_id}.log", out, lock, hook))
+            proc.reader.start()
+            procs.append(proc)
+        say(f"started {len(procs)} processes of islands {', '.join(islands)}; logs in {logs}")
+        status = _supervise(procs, timeout_s, stop, say)
+    finally:
+        for p in procs:  # whatever happened above, no process outlives the launcher
+            if p.popen.poll() is None:
+                _signal_group(p.popen, signal.SIGKILL)
+                p.popen.wait()
+        for p in procs:
+            p.reader.join(timeout=5)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return status
+
+
+def _supervise(procs: list[Process], timeout_s: float, stop: list, say) -> int:
+    """Waits for the job; on the first failure (or a signal to the launcher) stops the rest."""
+    failed, deadline, seen = None, None, set()
+    while any(p.popen.poll() is None for p in procs):
+        for p in procs:
+            code = p.popen.poll()
+            if code is None or p.settings.tag in seen:
+                continue
+            seen.add(p.settings.tag)
+            if failed is None and code:
+                failed = (p, code)
+                say(f"island {p.settings.island} rank {p.settings.process_id} exited with "
+                    f"{_status(code)}; the other processes get {timeout_s:g}s to stop")
+                deadline = time.monotonic() + timeout_s
+            elif failed is not None:
+                say(f"{p.settings.tag} stopped by itself with {_status(code)}")
+        if stop and deadline is None:
+            say(f"got signal {stop[0]}: stopping the job (SIGTERM to every process)")
+            for p in procs:
+                _signal_group(p.popen, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+        if deadline is not None and time.monotonic() > deadline:
+            _terminate(procs, say)
+            break
+        time.sleep(0.05)
+    if failed is not None:
+        p, code = failed
+        return code if code > 0 else 128 - code
+    if stop:
+        return 128 + stop[0]
+    bad = [(p, p.popen.returncode) for p in procs if p.popen.returncode]
+    if bad:  # failed after the loop last looked
+        p, code = bad[0]
+        say(f"island {p.settings.island} rank {p.settings.process_id} exited with {code}")
+        return code if code > 0 else 128 - code
+    return 0
+
+
+def _status(code: int) -> str:
+    return f"signal {-code}" if code < 0 else str(code)
+
+
+def _terminate(procs: list[Process], say) -> None:
+    alive = [p for p in procs if p.popen.poll() is None]
+    say(f"still running after the timeout: {', '.join(p.settings.tag for p in alive)}; SIGTERM")
+    for p in alive:
+        _signal_group(p.popen, signal.SIGTERM)
+    deadline = time.monotonic() + KILL_GRACE_S
+    while any(p.popen.poll() is None for p in alive) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in alive:
+        if p.popen.poll() is None:
+            say(f"{p.settings.tag} ignored SIGTERM; SIGKILL")
+            _signal_group(p.popen, signal.SIGKILL)
+            p.popen.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    options = {"stand_in": "", "backend": None}
+    rest = []
+    while argv:
+        arg = argv.pop(0)
+        key, eq, value = arg.partition("=")
+        name = key.removeprefix("--").replace("-", "_")
+        if key.startswith("--") and name in options:
+            if not eq:
+                if not argv:
+                    raise ConfigError(f"{arg}: give a value, e.g. {arg}=cpu")
+                value = argv.pop(0)
+            options[name] = value
+        else:
+            rest.append(arg)
+    args = config_lib.parse_command_line(rest, flags=())
+    if options["stand_in"] not in ("",) + config_lib.PLATFORMS:
+        raise ConfigError(f"--stand_in={options['stand_in']!r}: choose one of {config_lib.PLATFORMS}")
+    if options["backend"] not in (None, "host", "direct"):
+        raise ConfigError(f"--backend={options['backend']!r}: choose host or direct")
+    return run(args.config, args.overrides, **options)
+
+
+def cli() -> int:
+    try:
+        return main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,227 @@
+"""launch.local and hetero.runtime: settings through the environment, and a job of
+dummy processes (no jax) that is prefixed, logged, and stopped as a whole when one fails."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from hetjax.config import ConfigError
+from hetjax.hetero import runtime
+from launch import local
+
+CONFIG = """
+from hetjax.config import Config, HeteroConfig, IslandConfig, MeshConfig, ModelConfig
+
+def get_config():
+    return Config(model=ModelConfig(num_layers=3), steps=4, batch_size=8, seq_len=16,
+                  run_dir={run_dir!r}, hetero=HeteroConfig(islands=(
+                      IslandConfig(name="a", num_processes=2, devices_per_process=2),
+                      IslandConfig(name="b", platform="rocm", num_processes=1, devices_per_process=3)),
+                      timeout_s=1.0))
+"""
+
+
+@pytest.fixture
+def cfg_path(tmp_path):
+    path = tmp_path / "islands.py"
+    path.write_text(CONFIG.format(run_dir=str(tmp_path / "run")))
+    return str(path)
+
+
+def settings_of(cfg):
+    return {s.tag: s for s in local.plan(cfg, stand_in="cpu")}
+
+
+def test_plan_gives_distinct_ports_and_settings_round_trip_through_the_environment(cfg_path):
+    cfg, _ = local.job_config(cfg_path, {"hetero.placement": "pipeline"}, "host")
+    assert cfg.hetero.virtual is False and cfg.hetero.link.backend == "host"
+    plan = settings_of(cfg)
+    assert sorted(plan) == ["a:0", "a:1", "b:0"]
+    assert plan["a:0"].coordinator == plan["a:1"].coordinator != plan["b:0"].coordinator
+    # 2 islands: 1 link, and the processes' base ports differ.
+    ports = [runtime.link_address(plan["a:0"], i, p, 0) for i, n in (("a", 2), ("b", 1)) for p in range(n)]
+    assert len(set(ports)) == 3 and all(a.startswith("127.0.0.1:") for a in ports)
+    for s in plan.values():
+        env = s.to_env()
+        assert all(isinstance(v, str) for v in env.values())
+        assert runtime.from_env(env, cfg) == s
+    assert runtime.from_env({}, cfg) is None
+
+
+def test_link_addresses_leave_room_for_every_link(tmp_path):
+    text = CONFIG.replace('devices_per_process=3)),', 'devices_per_process=3),\n'
+                          '                      IslandConfig(name="c")),')
+    path = tmp_path / "three.py"
+    path.write_text(text.format(run_dir=str(tmp_path / "run")))
+    cfg, _ = local.job_config(str(path), {}, None)
+    assert runtime.num_links(cfg) == 3 and cfg.hetero.link.backend == "host"  # a-b, b-c, a-c
+    s = local.plan(cfg)[0]
+    used = [runtime.link_address(s, i.name, p, k) for i in cfg.hetero.islands
+            for p in range(i.num_processes) for k in range(3)]
+    assert len(set(used)) == len(used) == 12  # (2 + 1 + 1) processes x 3 links, no port twice
+    host, port = runtime.split_address(runtime.link_address(s, "b", 0, 2))
+    assert (host, port - 2) == runtime.split_address(s.transfer["b"][0])
+
+
+@pytest.mark.parametrize("change, names", [
+    ({runtime.ISLAND: "z"}, ["HETJAX_ISLAND", "'z'", "a, b"]),
+    ({runtime.PROCESS_ID: "2"}, ["HETJAX_PROCESS_ID", "'2'", "0..1"]),
+    ({runtime.PROCESS_ID: "x"}, ["HETJAX_PROCESS_ID", "'x'"]),
+    ({runtime.COORDINATOR: "localhost"}, ["HETJAX_COORDINATOR", "'localhost'", "host:port"]),
+    ({runtime.TRANSFER_ADDRESSES: "[1"}, ["HETJAX_TRANSFER_ADDRESSES", "JSON"]),
+    ({runtime.TRANSFER_ADDRESSES: json.dumps({"a": ["h:1", "h:2"]})}, ["HETJAX_TRANSFER_ADDRESSES", "per island"]),
+    ({runtime.TRANSFER_ADDRESSES: json.dumps({"a": ["h:1"], "b": ["h:3"]})}, ["island 'a'", "2 process"]),
+    ({runtime.TRANSFER_ADDRESSES: json.dumps({"a": ["h:1", "h:x"], "b": ["h:3"]})}, ["'h:x'", "host:port"]),
+    ({runtime.STAND_IN: "gpu"}, ["HETJAX_STAND_IN", "'gpu'"]),
+])
+def test_bad_environment_is_a_named_config_error(cfg_path, change, names):
+    cfg, _ = local.job_config(cfg_path, {}, None)
+    env = dict(settings_of(cfg)["a:1"].to_env(), **change)
+    with pytest.raises(ConfigError) as e:
+        runtime.from_env(env, cfg)
+    for name in names:
+        assert name in str(e.value)
+
+
+def test_process_environment_gives_each_process_its_devices(cfg_path):
+    cfg, _ = local.job_config(cfg_path, {}, None)
+    a, b = cfg.hetero.islands
+    s = settings_of(cfg)
+    env = local.process_env(s["a:1"], a, 2, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --x=1"})
+    assert env["XLA_FLAGS"] == "--x=1 --xla_force_host_platform_device_count=2" and env["JAX_PLATFORMS"] == "cpu"
+    real = runtime.ProcessSettings("b", 0, 1, "h:1", s["b:0"].transfer)  # no stand-in: the island's ROCm
+    env = local.process_env(real, b, 3, {})
+    assert env["HIP_VISIBLE_DEVICES"] == "3,4,5" and env["JAX_PLATFORMS"] == "rocm"
+
+
+def test_bad_launcher_input_is_refused_before_anything_starts(cfg_path, tmp_path):
+    with pytest.raises(ConfigError, match="no config.hetero.islands"):
+        local.run("configs/tiny.py", {"run_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="config.hetero.timeout_s=-1"):
+        local.run(cfg_path, {"hetero.timeout_s": "-1"})
+    with pytest.raises(ConfigError, match="--stand_in='gpu'"):
+        local.main(["--config", cfg_path, "--stand_in", "gpu"])
+    with pytest.raises(ConfigError, match=r"\['q'\]"):
+        local.run(cfg_path, island_overrides={"q": {"seed": "1"}})
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+# A dummy workload: reads its settings as hetjax.train would, prints on stdout and stderr;
+# b:0 fails (exit 3) and a:1 ignores SIGTERM, so the launcher has to escalate to SIGKILL.
+DUMMY = textwrap.dedent("""
+    import os, signal, sys, time
+    from hetjax import config
+    from hetjax.hetero import runtime
+    args = config.parse_command_line(sys.argv[1:])
+    s = runtime.from_env(os.environ, config.load(args.config, args.overrides))
+    print("hello from", s.tag, os.environ["XLA_FLAGS"].split()[-1], "seed", args.overrides.get("seed"), flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    if s.tag == "b:0" and os.environ.get("FAIL"):
+        time.sleep(0.5)
+        sys.exit(3)
+    if s.tag == "a:1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if os.environ.get("FAIL"):
+        time.sleep(60)
+""")
+
+
+def test_a_job_of_dummy_processes_runs_with_prefixed_output_and_log_files(cfg_path, tmp_path):
+    out = io.StringIO()
+    code = local.run(cfg_path, {"steps": "5"}, stand_in="cpu", command=[sys.executable, "-c", DUMMY],
+                     island_overrides={"b": {"seed": "7"}}, out=out)
+    assert code == 0, out.getvalue()
+    lines = out.getvalue().splitlines()
+    for tag, devices, seed in (("a:0", 2, None), ("a:1", 2, None), ("b:0", 3, "7")):
+        want = f"[{tag}] hello from {tag} --xla_force_host_platform_device_count={devices} seed {seed}"
+        assert want in lines
+        assert f"[{tag}] to stderr" in lines
+        log = (tmp_path / "run" / "logs" / f"{tag.replace(':', '-')}.log").read_text().splitlines()
+        assert sorted(log) == sorted([want.removeprefix(f"[{tag}] "), "to stderr"])
+
+
+def test_one_failing_process_stops_the_whole_job_within_the_timeout(cfg_path, monkeypatch):
+    monkeypatch.setenv("FAIL", "1")
+    monkeypatch.setattr(local, "KILL_GRACE_S", 0.5)
+    out = io.StringIO()
+    t0 = time.monotonic()
+    code = local.run(cfg_path, stand_in="cpu", command=[sys.executable, "-c", DUMMY], out=out)
+    took = time.monotonic() - t0
+    text = out.getvalue()
+    assert code == 3, text
+    assert "[launch] island b rank 0 exited with 3" in text
+    assert "a:1 ignored SIGTERM; SIGKILL" in text
+    assert took < 15, took  # start + 0.5 s + timeout_s=1 + grace 0.5, far below the sleepers' 60 s
+
+
+# A jax workload: each island is a real jax.distributed world (gloo inside it) that sums
+# a sharded array every step; with FAIL set, a:1 dies after step 1.
+JAX_WORKLOAD = textwrap.dedent("""
+    import os, signal, sys, time
+    from hetjax import config
+    from hetjax.hetero import runtime
+    args = config.parse_command_line(sys.argv[1:])
+    cfg = config.load(args.config, args.overrides)
+    s = runtime.from_env(os.environ, cfg)
+    island = {i.name: i for i in cfg.hetero.islands}[s.island]
+    runtime.initialize(s, island, cfg.hetero.timeout_s)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as hetjax.train; jax's own handler waits
+    import jax, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((jax.device_count(),), ("x",))
+    local = np.arange(jax.local_device_count(), dtype=np.float32) + 10 * jax.process_index()
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), local)
+    total = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, P()))
+    for step in range(int(os.environ.get("STEPS", "2"))):
+        print("step", step, "sum", float(total(x)), "of", jax.process_count(), flush=True)
+        if s.tag == "a:1" and os.environ.get("FAIL") and step == 1:
+            os._exit(1)
+        time.sleep(0.2)
+""")
+
+
+def test_islands_are_separate_jax_distributed_worlds_with_gloo(cfg_path):
+    out = io.StringIO()
+    code = local.run(cfg_path, stand_in="cpu", timeout_s=30, command=[sys.executable, "-c", JAX_WORKLOAD], out=out)
+    text = out.getvalue()
+    assert code == 0, text
+    # Island a: 2 processes x 2 devices holding [0, 1] and [10, 11]; island b alone: [0, 1, 2].
+    for tag, want in (("a:0", 22.0), ("a:1", 22.0), ("b:0", 3.0)):
+        n = 2 if tag.startswith("a") else 1
+        assert f"[{tag}] step 1 sum {want} of {n}" in text, text
+
+
+def test_a_process_that_dies_stops_its_island_peer_by_heartbeat(cfg_path, monkeypatch):
+    monkeypatch.setenv("FAIL", "1")
+    monkeypatch.setenv("STEPS", "1000")
+    out = io.StringIO()
+    code = local.run(cfg_path, {"hetero.timeout_s": "6"}, stand_in="cpu",
+                     command=[sys.executable, "-c", JAX_WORKLOAD], out=out)
+    text = out.getvalue()
+    assert code == 1 and "[launch] island a rank 1 exited with 1" in text, text
+    assert "a:0 stopped by itself" in text, text  # jax's heartbeat, before the launcher's SIGTERM
+
+
+def test_a_dead_coordinator_is_an_error_naming_the_island():
+    port = local.free_ports(1)[0]  # nobody listens there
+    code = textwrap.dedent(f"""
+        from hetjax.config import IslandConfig
+        from hetjax.hetero import runtime
+        s = runtime.ProcessSettings("a", 1, 2, "127.0.0.1:{port}", {{"a": ("h:1", "h:2")}}, "cpu")
+        try:
+            runtime.initialize(s, IslandConfig(name="a", num_processes=2), timeout_s=1.0)
+        except runtime.IslandStartError as e:
+            print(e)
+    """)
+    t0 = time.monotonic()
+    env = dict(os.environ, PYTHONPATH=str(local.REPO), JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert f"island a:1: the coordinator (process 0 of island 'a') at 127.0.0.1:{port} did not answer " \
+           f"within 1s" in run.stdout, run.stdout + run.stderr
+    assert time.monotonic() - t0 < 30
