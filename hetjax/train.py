@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal last_finite, clock
         values = jax.device_get(step_metrics)
         now = time.perf_counter()
-        step_time, clock = now - clock, now
+        # A job whose step returns only when done (islands) times it itself.
+        step_time, clock = values.pop("step_time", now - clock), now
         if not np.isfinite(values["loss"]):
             raise TrainingDiverged(
                 f"loss is {values['loss']} at step {s}; the last finite loss was at step "
@@ -144,7 +145,7 @@ def cli() -> int:
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (TrainingDiverged, checkpoint.CheckpointError) as e:
+    except (TrainingDiverged, checkpoint.CheckpointError, hetero_job.JobError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

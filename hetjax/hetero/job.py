@@ -27,9 +27,11 @@ from hetjax import metrics as metrics_lib
 from hetjax.config import ConfigError
 from hetjax.hetero import island as island_lib
 from hetjax.hetero import placement
-from hetjax.hetero.links import Links
+from hetjax.hetero.links import IslandLost, Links
 from hetjax.hetero.pipelined import PipelineStage
-from hetjax.hetero.replicated import DataShare
+from hetjax.hetero.replicated import DataShare, IslandsDiverged
+from hetjax.hetero.runtime import IslandStartError
+from hetjax.transfer import TransferError
 
 
 def start(cfg) -> tuple[str, object]:
@@ -58,6 +60,11 @@ def start(cfg) -> tuple[str, object]:
     where = f"island {settings.island} rank {settings.process_id}/{spec.num_processes}"
     stand_in = f" standing in for {spec.platform}" if settings.stand_in else ""
     return f"{line}; {where} on {platform}{stand_in}", settings
+
+
+# What a job over islands may fail with, besides config and checkpoint errors: a peer
+# island lost, islands whose parameters drifted apart, a world that did not form.
+JobError = (IslandLost, IslandsDiverged, IslandStartError, TransferError)
 
 
 def agreed(cfg) -> dict:
@@ -300,6 +307,7 @@ class Job:
         self.step_count += 1
         self.stop_requested = bool(np.any([o[2] for o in out]))
         values = dict(out[0][1])
+        values["step_time"] = max(w.step_seconds for w in self.workers)
         for w in self.workers:
             values[f"{w.name}/step_time"] = w.step_seconds
             values[f"{w.name}/transfer_time"] = w.links.transfer_seconds
