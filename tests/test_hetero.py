@@ -159,3 +159,16 @@ def test_a_silent_island_is_a_timeout_naming_it():
                              ("pipeline", "data", "fsdp", "tensor"))
     with pytest.raises(IslandLost, match="island b \\(rank 0\\) stopped answering island a"):
         links.gather(np.zeros(2, np.float32), "never-sent", mesh)
+
+
+def test_llama8b_hetero_describes_a_job_each_island_can_hold():
+    from hetjax import sharding
+    from hetjax.hetero.island import Geometry
+    cfg = load("llama8b_hetero.py")
+    validate(cfg)
+    split = placement.island_layers(cfg)
+    assert sum(split) == 32 and split[1] > split[0]  # the faster island holds more layers
+    for spec, layers in zip(cfg.hetero.islands, split):
+        mesh = Geometry.of(spec, virtual=False).abstract_mesh()
+        assert dict(mesh.shape)["fsdp"] == 8
+        sharding.check_divisible({**cfg.model.dims(), "layers": ("", layers)}, cfg.sharding.rules, mesh)
