@@ -172,3 +172,17 @@ def test_llama8b_hetero_describes_a_job_each_island_can_hold():
         mesh = Geometry.of(spec, virtual=False).abstract_mesh()
         assert dict(mesh.shape)["fsdp"] == 8
         sharding.check_divisible({**cfg.model.dims(), "layers": ("", layers)}, cfg.sharding.rules, mesh)
+
+
+def test_auto_split_times_a_layer_on_each_island_and_balances_by_it():
+    from hetjax.hetero.island import Geometry, make_mesh
+    from hetjax.hetero.profile import seconds_per_layer
+    cfg = tiny_islands(auto_split=True)
+    validate(cfg)
+    mesh = make_mesh(Geometry.of(cfg.hetero.islands[0], True), jax.devices()[:2])
+    t = seconds_per_layer(cfg, mesh, repeats=2)
+    assert 0 < t < 10
+    # An island twice as slow per layer gets half as many layers.
+    speeds = placement.balance([2 * t, t])
+    assert placement.island_layers(cfg.__class__(**{**cfg.__dict__, "model": cfg.model.__class__(
+        **{**cfg.model.__dict__, "num_layers": 6})}), speeds) == (2, 4)
