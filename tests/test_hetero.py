@@ -186,3 +186,21 @@ def test_auto_split_times_a_layer_on_each_island_and_balances_by_it():
     speeds = placement.balance([2 * t, t])
     assert placement.island_layers(cfg.__class__(**{**cfg.__dict__, "model": cfg.model.__class__(
         **{**cfg.model.__dict__, "num_layers": 6})}), speeds) == (2, 4)
+
+
+def test_islands_start_from_a_one_island_checkpoint(tmp_path):
+    # Weights saved by a one-island run at step 2, loaded by islands that then train on
+    # batch 2: the loss at step 2 is the one-island run's (same weights, same batch).
+    one, one_dir = losses(tmp_path, "tiny.py", "one", "--config.checkpoint.every=2", "--config.steps=3")
+    config = write_config(tmp_path, "islands", '''
+        islands = (IslandConfig(name="a", devices_per_process=2, mesh=MeshConfig(fsdp=2)),
+                   IslandConfig(name="b", devices_per_process=1, mesh=MeshConfig(fsdp=1)))
+        return dataclasses.replace(cfg, hetero=HeteroConfig(islands=islands))
+    ''')
+    run_dir = tmp_path / "islands"
+    assert train.main(["--config", str(config), f"--config.run_dir={run_dir}", "--config.steps=3",
+                       "--config.data.start_step=2", f"--config.init_from={one_dir}/checkpoints/2",
+                       "--config.eval_every=0", "--config.tensorboard=False"]) == 0
+    row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["step"] == 2
+    np.testing.assert_allclose(row["loss"], one[2], rtol=1e-5)

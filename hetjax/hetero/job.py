@@ -280,8 +280,7 @@ class Job:
 
     def _fresh(self, log):
         if self.cfg.init_from:
-            raise ConfigError("config.init_from with config.hetero.islands: not supported yet; "
-                              "start the islands from config.seed")
+            return [w.island.init_from(self.cfg.init_from) for w in self.workers]
         return [w.island.create_state() for w in self.workers]
 
     def agree_steps(self, steps: list[int]) -> list[int]:
