@@ -168,8 +168,7 @@ class Checkpoints:
         return self.job.workers[0].manager.should_save(step)
 
     def save(self, step: int, states, data_state: dict, config: dict) -> None:
-        for w, state in zip(self.job.workers, states):
-            w.manager.save(step, state, data_state, config)
+        self.job._each(lambda w, state: w.manager.save(step, state, data_state, config), states)
 
     def wait(self) -> None:
         for w in self.job.workers:
@@ -193,7 +192,7 @@ class Checkpoints:
                 return None
             step = common[-1]
             try:
-                restored = [w.manager.restore(step, w.island.abstract, w.island.shardings) for w in job.workers]
+                restored = job._each(lambda w: w.manager.restore(step, w.island.abstract, w.island.shardings))
                 ok = 1
             except checkpoint.CorruptCheckpoint as e:
                 log(f"warning: {e}")
@@ -280,8 +279,8 @@ class Job:
 
     def _fresh(self, log):
         if self.cfg.init_from:
-            return [w.island.init_from(self.cfg.init_from) for w in self.workers]
-        return [w.island.create_state() for w in self.workers]
+            return self._each(lambda w: w.island.init_from(self.cfg.init_from))
+        return self._each(lambda w: w.island.create_state())
 
     def agree_steps(self, steps: list[int]) -> list[int]:
         """The checkpoint steps that every island holds."""
