@@ -145,7 +145,7 @@ def cli() -> int:
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (TrainingDiverged, checkpoint.CheckpointError, hetero_job.JobError) as e:
+    except (TrainingDiverged, checkpoint.CheckpointError, *hetero_job.JobError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

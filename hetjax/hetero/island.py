@@ -179,6 +179,15 @@ class Island:
         return (f"island {self.name} ({spec.platform}, {spec.num_processes} x {spec.devices_per_process} "
                 f"{self.mesh.devices.flat[0].device_kind}): mesh {mesh}; {where}")
 
+    def program(self, fn):
+        """fn (a jitted program) as this island calls it. On CPU, an island of several
+        processes runs each program to completion before the next: the CPU runtime may
+        run independent programs concurrently, and two processes starting their gloo
+        collectives in different orders would mismatch (GPUs order them on a stream)."""
+        if self.geometry.spec.num_processes > 1 and self.mesh.devices.flat[0].platform == "cpu":
+            return lambda *args: jax.block_until_ready(fn(*args))
+        return fn
+
     def activation_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, sharding.spec_for(ACTIVATION, self.rules))
 

@@ -94,16 +94,30 @@ class Links:
         every other island and receive theirs. *_layouts_of(j): island j's layouts of it."""
         sends = [(j, self.send(j, tree, what, dst_layouts_of(j))) for j in self.endpoints]
         recvs = {j: self.recv(j, what, like, src_layouts_of(j)) for j in self.endpoints}
-        out = [tree if j == self.k else self.wait(recvs[j], j) for j in range(self.n)]
+        try:
+            out = [tree if j == self.k else self.wait(recvs[j], j) for j in range(self.n)]
+        except IslandLost:
+            self.raise_failed_sends(sends)
+            raise
         for j, h in sends:
             self.wait(h, j)
         return out
+
+    def raise_failed_sends(self, sends) -> None:
+        """A receive that timed out may be our own send's fault: say so first."""
+        for j, h in sends:
+            if h.done() and h.future.exception() is not None:
+                raise h.future.exception()
 
     def gather(self, values, what: str, mesh) -> np.ndarray:
         """(islands, *values.shape) on the host: every island's small array `values`
         (replicated on each island), bits unchanged, in island order."""
         replicated = NamedSharding(mesh, PartitionSpec())
-        mine = jax.device_put(jnp.asarray(values), replicated)
+        if isinstance(values, jax.Array) and values.committed:  # already a global array of the island
+            mine = jax.device_put(values, replicated)
+        else:  # host values: every process of the island holds them (the same everywhere)
+            host = np.asarray(values)
+            mine = jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
         from hetjax.hetero.island import Geometry
 
         def layout(j):
