@@ -294,7 +294,8 @@ class Job:
         return sorted(common)
 
     def all_ok(self, ok: int, what: str) -> bool:
-        return bool(self._each(lambda w: w.links.gather(np.asarray([ok], np.int32), what, w.island.mesh))[0].min())
+        flags = self._each(lambda w: w.links.gather(np.asarray([ok], np.int32), what, w.island.mesh))
+        return bool(flags[0].min())
 
     # -- what the training loop calls ------------------------------------------------
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from hetjax.hetero import runtime
 from hetjax.transfer import TransferTimeout, open_endpoint
 
 
@@ -57,9 +58,9 @@ class Links:
             if settings is None:  # virtual: one process
                 self.endpoints[j] = open_endpoint(link, process_index=0)
                 continue
-            from hetjax.hetero import runtime
             number = pair_index(k, j, self.n)
-            host, port = runtime.split_address(runtime.link_address(settings, self.names[k], settings.process_id, number))
+            mine = runtime.link_address(settings, self.names[k], settings.process_id, number)
+            host, port = runtime.split_address(mine)
             self.endpoints[j] = open_endpoint(dataclasses.replace(link, bind_address=host, port=port))
             spec = cfg.hetero.islands[j]
             self.peers[j] = {p: (runtime.link_address(settings, self.names[j], p, number),)
