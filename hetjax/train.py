@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     args = config_lib.parse_command_line(sys.argv[1:] if argv is None else argv)
     cfg = config_lib.load(args.config, args.overrides)
     config_lib.validate(cfg)
+    if args.compile_only and cfg.hetero.islands:
+        raise config_lib.ConfigError(
+            "--compile_only lowers one mesh's train step; islands compile their own stage programs "
+            "when the job starts (not ahead of time yet): drop --compile_only, or compile one island "
+            "alone with that island's mesh as config.mesh and no config.hetero.islands")
     if cfg.hetero.islands:
         line, settings = hetero_job.start(cfg)  # each island's profile; joins its jax.distributed world
     else:
