@@ -64,6 +64,11 @@ class Geometry:
         return jax.sharding.AbstractMesh(self.shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def geometry(cfg, k: int) -> Geometry:
+    """Island k's Geometry, from the config alone."""
+    return Geometry.of(cfg.hetero.islands[k], cfg.hetero.virtual)
+
+
 def make_mesh(geometry: Geometry, devices) -> Mesh:
     """The island's Mesh over `devices`, in the (process, id) order Geometry assumes."""
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
@@ -89,7 +94,8 @@ def island_config(cfg, k: int):
 # Which parameters an island holds (pipeline placement).
 
 
-def _top(path) -> str:
+def top_name(path) -> str:
+    """The top-level parameter name of a key path (blocks, embed_VD, ...)."""
     key = path[0]
     return str(getattr(key, "key", getattr(key, "name", key)))
 
@@ -113,22 +119,22 @@ def part(params, k: int, n: int, layers: tuple[int, int], tied: bool):
     start, stop = layers
 
     def other(path, x):
-        return x if uses(_top(path), k, n, tied) else jnp.zeros((1,) * x.ndim, x.dtype)
+        return x if uses(top_name(path), k, n, tied) else jnp.zeros((1,) * x.ndim, x.dtype)
 
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: x[start:stop] if _top(p) == BLOCKS else other(p, x), params)
+        lambda p, x: x[start:stop] if top_name(p) == BLOCKS else other(p, x), params)
 
 
 def owned(params, k: int, n: int, tied: bool):
     """A mask tree: True where island k is the one that counts this leaf in the
     gradient norm (blocks always; a shared leaf only on its first holder)."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: _top(p) == BLOCKS or holders(_top(p), n, tied)[0] == k, params)
+        lambda p, x: top_name(p) == BLOCKS or holders(top_name(p), n, tied)[0] == k, params)
 
 
 def shared(params, n: int, tied: bool) -> list[str]:
     """The top-level names of leaves that several islands hold (a tied embedding)."""
-    names = {_top(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]} - {BLOCKS}
+    names = {top_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]} - {BLOCKS}
     return sorted(name for name in names if len(holders(name, n, tied)) > 1)
 
 
@@ -228,11 +234,11 @@ def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island
     Checks that its part splits over its mesh (ConfigError naming the field)."""
     from hetjax import optim, pipeline
     spec = cfg.hetero.islands[k]
-    geometry = Geometry.of(spec, cfg.hetero.virtual)
-    if len(devices) != math.prod(geometry.shape):
-        raise ConfigError(f"config.hetero.islands[{k}] ({spec.name}) needs {math.prod(geometry.shape)} "
+    geo = geometry(cfg, k)
+    if len(devices) != math.prod(geo.shape):
+        raise ConfigError(f"config.hetero.islands[{k}] ({spec.name}) needs {math.prod(geo.shape)} "
                           f"devices but has {len(devices)}")
-    mesh = make_mesh(geometry, devices)
+    mesh = make_mesh(geo, devices)
     icfg = island_config(cfg, k)
     tx = optim.make_optimizer(icfg.optim, cfg.steps)
     rows = plan = None
@@ -241,7 +247,7 @@ def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island
         dims = {**cfg.model.dims(), "layers": ("hetero.island_layers", layers[1] - layers[0])}
         sharding.check_divisible(dims, rules, mesh)
         graphdef, _ = state_lib.abstract_state(cfg.model, cfg.seed, tx)
-        island = Island(cfg, k, geometry, mesh, icfg, rules, tx, graphdef, None, None,
+        island = Island(cfg, k, geo, mesh, icfg, rules, tx, graphdef, None, None,
                         step.batch_shardings(mesh, rules), layers=layers)
         abstract = jax.eval_shape(island._init)
     else:
@@ -255,7 +261,7 @@ def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island
         rules = pipeline.rules(icfg, plan)
         sharding.check_divisible(pipeline.dims(icfg, plan), rules, mesh)
         graphdef, abstract = pipeline.abstract_state(icfg, tx, plan)
-        island = Island(cfg, k, geometry, mesh, icfg, rules, tx, graphdef, None, None,
+        island = Island(cfg, k, geo, mesh, icfg, rules, tx, graphdef, None, None,
                         step.batch_shardings(mesh, rules), rows=rows, plan=plan)
     island.abstract = abstract
     shardings = state_lib.state_shardings(abstract, mesh, island.rules)
@@ -272,8 +278,7 @@ def _placeholder(x) -> bool:
 
 def remote_layouts(cfg, k: int, tree_specs) -> object:
     """Layouts of island k's arrays, given a tree of their PartitionSpecs."""
-    geometry = Geometry.of(cfg.hetero.islands[k], cfg.hetero.virtual)
-    return jax.tree.map(geometry.layout, tree_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(geometry(cfg, k).layout, tree_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def specs(shardings):

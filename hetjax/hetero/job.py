@@ -15,6 +15,7 @@ import json
 import math
 import os
 import time
+import uuid
 from concurrent import futures
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from hetjax.hetero.pipelined import PipelineStage
 from hetjax.hetero.replicated import DataShare, IslandsDiverged
 from hetjax.hetero.runtime import IslandStartError
 from hetjax.transfer import TransferError
+from hetjax.transfer.core import run_async
 
 
 def start(cfg) -> tuple[str, object]:
@@ -70,8 +72,12 @@ JobError = (IslandLost, IslandsDiverged, IslandStartError, TransferError)
 def agreed(cfg) -> dict:
     """What every island must agree on: everything but where each process runs."""
     d = config_lib.to_dict(cfg)
-    d["hetero"] = {k: v for k, v in d["hetero"].items() if k != "virtual"}
-    for k in ("compile", "run_dir", "log_every", "tensorboard", "checkpoint"):
+    h = d["hetero"] = {k: v for k, v in d["hetero"].items() if k != "virtual"}
+    for link in [h["link"], *h["links"]]:  # where a process listens and finds its secret
+        for k in ("nic_addresses", "bind_address", "port", "secret_env", "secret_file"):
+            link.pop(k)
+    d["checkpoint"] = {k: d["checkpoint"][k] for k in ("every", "keep", "keep_every")}  # same steps
+    for k in ("compile", "run_dir", "log_every", "tensorboard"):
         d.pop(k, None)
     return d
 
@@ -93,6 +99,23 @@ def differences(a: dict, b: dict) -> list[str]:
             if fa.get(k) != fb.get(k)]
 
 
+def check_config(cfg, links: Links, mesh) -> None:
+    """Islands whose configs disagree refuse to start, naming the difference. The first
+    exchange of a job: nothing is compiled or allocated before it."""
+    ours = json.loads(json.dumps(agreed(cfg), sort_keys=True))  # tuples as lists, like theirs
+    text = np.frombuffer(json.dumps(ours, sort_keys=True).encode(), np.uint8)
+    sizes = links.gather(np.asarray([text.size], np.int32), "config/size", mesh)[:, 0]
+    mine = np.zeros(int(sizes.max()), np.uint8)
+    mine[:text.size] = text
+    got = links.gather(mine, "config/text", mesh)
+    names = [i.name for i in cfg.hetero.islands]
+    for j in range(len(names)):
+        diff = differences(ours, json.loads(got[j][:sizes[j]].tobytes().decode()))
+        if diff:
+            raise ConfigError(f"island {names[j]}'s config differs from island {names[links.k]}'s: "
+                              f"{'; '.join(diff[:5])}; start every island with the same config")
+
+
 class Worker:
     """One island's part of the job in this process."""
 
@@ -105,23 +128,6 @@ class Worker:
         self.dataset, self.rows = dataset, self.island.rows
         self.manager = checkpoint.Manager(checkpoint.default_dir(cfg) / self.name, cfg.checkpoint)
         self.step_seconds = 0.0
-
-    def check_config(self, cfg) -> None:
-        """Islands whose configs disagree refuse to start, naming the difference."""
-        ours = json.loads(json.dumps(agreed(cfg), sort_keys=True))  # tuples as lists, like theirs
-        text = np.frombuffer(json.dumps(ours, sort_keys=True).encode(), np.uint8)
-        sizes = self.links.gather(np.asarray([text.size], np.int32), "config/size", self.island.mesh)[:, 0]
-        width = int(sizes.max())
-        mine = np.zeros(width, np.uint8)
-        mine[:text.size] = text
-        got = self.links.gather(mine, "config/text", self.island.mesh)
-        names = [i.name for i in cfg.hetero.islands]
-        for j in range(len(names)):
-            theirs = json.loads(got[j][:sizes[j]].tobytes().decode())
-            diff = differences(ours, theirs)
-            if diff:
-                raise ConfigError(f"island {names[j]}'s config differs from island {self.name}'s: "
-                                  f"{'; '.join(diff[:5])}; start every island with the same config")
 
     def train_step(self, state, batch, step: int, stop: bool):
         t = time.perf_counter()
@@ -186,11 +192,19 @@ class Checkpoints:
         other processes) holds and can read, or None."""
         job = self.job
         while True:
-            mine = set(self.steps())
-            common = job.agree_steps(sorted(mine))
+            held = {w.name: w.manager.steps() for w in job.workers}
+            common, everyone = job.agree_steps(sorted(self.steps()), any(held.values()))
             if not common:
+                if everyone:
+                    raise checkpoint.CheckpointError(
+                        f"the islands hold checkpoints but no step in common ({held} here); a job "
+                        f"resumes all islands at one step, and starting again from step 0 would "
+                        f"overwrite them: keep them, and restore a common step or move them away")
                 return None
             step = common[-1]
+            for w in job.workers:  # a newer step that not every island holds was never finished
+                for newer in [s for s in w.manager.steps() if s > step]:
+                    w.manager.move_aside(newer, log, why="unfinished (not every island saved it)")
             try:
                 restored = job._each(lambda w: w.manager.restore(step, w.island.abstract, w.island.shardings))
                 ok = 1
@@ -201,7 +215,7 @@ class Checkpoints:
                 return [r.state for r in restored], step, restored[0].data_state
             for w in job.workers:  # someone could not read it: set it aside everywhere
                 if step in w.manager.steps():
-                    w.manager._move_aside(step, log)
+                    w.manager.move_aside(step, log)
 
 
 class Job:
@@ -213,10 +227,12 @@ class Job:
         n = len(h.islands)
         local = list(range(n)) if settings is None else [[i.name for i in h.islands].index(settings.island)]
         devices = self._devices(local)
-        self._pool = futures.ThreadPoolExecutor(len(local))
-        links = {k: Links(cfg, k, settings) for k in local}
-        meshes = {k: island_lib.make_mesh(island_lib.Geometry.of(h.islands[k], h.virtual), devices[k])
-                  for k in local}
+        # Virtual islands share this process's local mailbox: a job's own tags.
+        job_id = "" if settings is not None else f"{uuid.uuid4().hex[:8]}:"
+        links = {k: Links(cfg, k, settings, job_id) for k in local}
+        self._links = list(links.values())
+        meshes = {k: island_lib.make_mesh(island_lib.geometry(cfg, k), devices[k]) for k in local}
+        self._run(local, lambda k: check_config(cfg, links[k], meshes[k]))
         layers = [None] * n
         if h.placement == "pipeline":
             speeds = None
@@ -233,7 +249,6 @@ class Job:
         self.workers = self._run(local, lambda k: Worker(cfg, k, devices[k], layers[k], dataset, links[k]))
         for w in self.workers:
             log(w.island.describe())
-        self._each(lambda w: w.check_config(cfg))
         self.checkpoints = Checkpoints(self)
         self.preempted: list = []
         self.stop_requested = False
@@ -267,10 +282,19 @@ class Job:
         return {k: have[starts[k]:starts[k + 1]] for k in range(len(need))}
 
     def _run(self, ks, fn):
-        """fn(k) for every local island k at once: exchanges need all islands running."""
+        """fn(k) for every local island k at once: exchanges need all islands running.
+        When one fails, its error is raised (not the other islands' IslandLost that
+        follows it), and the links are closed so that the others stop waiting."""
         if len(ks) == 1:
             return [fn(ks[0])]
-        return [f.result() for f in [self._pool.submit(fn, k) for k in ks]]
+        running = [run_async(fn, k) for k in ks]  # daemon threads: a stuck one never blocks exit
+        done, _ = futures.wait(running, return_when=futures.FIRST_EXCEPTION)
+        errors = [f.exception() for f in done if f.exception() is not None]
+        if errors:
+            for links in self._links:
+                links.close()
+            raise next((e for e in errors if not isinstance(e, IslandLost)), errors[0])
+        return [f.result() for f in running]
 
     def _each(self, fn, *per_worker):
         """fn(worker, *args) on every local island at once (one thread each)."""
@@ -282,16 +306,17 @@ class Job:
             return self._each(lambda w: w.island.init_from(self.cfg.init_from))
         return self._each(lambda w: w.island.create_state())
 
-    def agree_steps(self, steps: list[int]) -> list[int]:
-        """The checkpoint steps that every island holds."""
+    def agree_steps(self, steps: list[int], holds_any: bool) -> tuple[list[int], bool]:
+        """(the checkpoint steps that every island holds, whether any island holds one)."""
         width = 64
-        mine = np.full(width, -1, np.int64)
+        mine = np.full(width + 1, -1, np.int32)
         mine[:min(width, len(steps))] = steps[-width:]
-        got = self._each(lambda w: w.links.gather(mine.astype(np.int32), "checkpoint/steps", w.island.mesh))[0]
+        mine[width] = int(holds_any)
+        got = self._each(lambda w: w.links.gather(mine, "checkpoint/steps", w.island.mesh))[0]
         common = set(steps)
         for row in got:
-            common &= {int(s) for s in row if s >= 0}
-        return sorted(common)
+            common &= {int(s) for s in row[:width] if s >= 0}
+        return sorted(common), bool(got[:, width].max())
 
     def all_ok(self, ok: int, what: str) -> bool:
         flags = self._each(lambda w: w.links.gather(np.asarray([ok], np.int32), what, w.island.mesh))
@@ -302,6 +327,10 @@ class Job:
     def train_step(self, states, batches):
         step = self.step_count
         stop = bool(self.preempted)
+        if self.settings is not None and self.settings.num_processes > 1:
+            # Every process of the island must stop at the same step (a save is collective).
+            from jax.experimental import multihost_utils
+            stop = bool(multihost_utils.process_allgather(np.int32(stop)).max())
         out = self._each(lambda w, s, b: w.train_step(s, b, step, stop), states, batches)
         self.step_count += 1
         self.stop_requested = bool(np.any([o[2] for o in out]))
@@ -334,6 +363,5 @@ class Job:
         return metrics_lib.model_flops_per_token(self.cfg, num_params) * self.cfg.batch_size * self.cfg.seq_len
 
     def close(self) -> None:
-        for w in self.workers:
-            w.links.close()
-        self._pool.shutdown(wait=False)
+        for links in self._links:
+            links.close()

@@ -14,10 +14,10 @@ import numpy as np
 
 from hetjax import sharding
 from hetjax.hetero import island as island_lib
-from hetjax.hetero.update import make_apply, sum_of_squares
+from hetjax.hetero.update import add_in_order, make_apply, sum_of_squares
 from hetjax.pipeline.schedule import forward_only, make_schedule
 from hetjax.pipeline.stages import stage_backward, stage_forward
-from hetjax.step import _split_micro
+from hetjax.step import split_micro
 
 
 class PipelineStage:
@@ -39,13 +39,13 @@ class PipelineStage:
         self.act_like = jax.ShapeDtypeStruct((cfg.batch_size // self.M, cfg.seq_len, cfg.model.embed_dim),
                                              dtype, sharding=act)
         spec = sharding.spec_for(island_lib.ACTIVATION, rules)
-        self.act_layout = {j: island_lib.Geometry.of(cfg.hetero.islands[j], cfg.hetero.virtual).layout(spec)
+        self.act_layout = {j: island_lib.geometry(cfg, j).layout(spec)
                            for j in range(n)}
 
         def pick(batch, m):
             with sharding.logical_rules(mesh, rules):
                 return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(
-                    _split_micro(x, self.M), m, keepdims=False), batch)
+                    split_micro(x, self.M), m, keepdims=False), batch)
 
         def fwd(params, batch, m, x):
             with sharding.logical_rules(mesh, rules):
@@ -68,9 +68,9 @@ class PipelineStage:
         self.sumsq = island.program(jax.jit(lambda g: sum_of_squares(g, mask), out_shardings=replicated))
         self.apply = island.program(jax.jit(make_apply(cfg, island.tx), donate_argnums=0,
                              out_shardings=(island.shardings, replicated)))
-        self.shared = island_lib.shared(island.abstract.params, n, self.tied)
-        self._add = island.program(jax.jit(
-            lambda parts: jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts)))
+        self.shared = [name for name in island_lib.shared(island.abstract.params, n, self.tied)
+                       if k in island_lib.holders(name, n, self.tied)]
+        self._add = island.program(jax.jit(add_in_order))
 
     # -- one pass of the schedule -------------------------------------------------
 
@@ -125,7 +125,7 @@ class PipelineStage:
         holders' gradients in island order, so all keep identical copies."""
         isl, n, flatten = self.island, self.island.count, jax.tree_util.tree_flatten_with_path
         keys = [jax.tree_util.keystr(p) for p, _ in flatten(grads)[0]]
-        is_shared = [island_lib._top(p) in self.shared for p, _ in flatten(grads)[0]]
+        is_shared = [island_lib.top_name(p) in self.shared for p, _ in flatten(grads)[0]]
         leaves, treedef = jax.tree.flatten(grads)
         shards = jax.tree.leaves(isl.shardings.params)
         mine = {key: x for key, x, keep in zip(keys, leaves, is_shared) if keep}
@@ -134,7 +134,7 @@ class PipelineStage:
         holders = island_lib.holders(self.shared[0], n, self.tied)
 
         def layouts(j):
-            geometry = island_lib.Geometry.of(isl.cfg.hetero.islands[j], isl.cfg.hetero.virtual)
+            geometry = island_lib.geometry(isl.cfg, j)
             return {key: geometry.layout(s.spec) for key, s in shard.items()}
 
         others = [j for j in holders if j != isl.index]

@@ -14,7 +14,7 @@ import numpy as np
 
 from hetjax import checkpoint, pipeline, step
 from hetjax.hetero import island as island_lib
-from hetjax.hetero.update import make_apply, sum_of_squares
+from hetjax.hetero.update import add_in_order, make_apply, sum_of_squares
 
 
 class IslandsDiverged(RuntimeError):
@@ -36,7 +36,7 @@ class DataShare:
         self.grads = island.program(jax.jit(grad_fn, out_shardings=(replicated, replicated, params_sh)))
         self.eval = island.program(jax.jit(pipeline.eval_step_fn(isl.icfg, isl.graphdef, isl.mesh, isl.plan),
                             out_shardings=replicated))
-        self.add = island.program(jax.jit(lambda parts: jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts),
+        self.add = island.program(jax.jit(add_in_order,
                            out_shardings=params_sh))
         self.sumsq = island.program(jax.jit(sum_of_squares, out_shardings=replicated))
         self.apply = island.program(jax.jit(make_apply(isl.cfg, isl.tx), donate_argnums=0,
@@ -88,8 +88,7 @@ def param_specs(cfg, k: int):
     """Island k's PartitionSpecs of the model's parameters, from the config alone."""
     from hetjax import optim
     from hetjax import state as state_lib
-    geometry = island_lib.Geometry.of(cfg.hetero.islands[k], cfg.hetero.virtual)
-    mesh = geometry.abstract_mesh()
+    mesh = island_lib.geometry(cfg, k).abstract_mesh()
     icfg = island_lib.island_config(cfg, k)
     plan = pipeline.make_plan(icfg, mesh)
     rules = pipeline.rules(icfg, plan)
