@@ -194,6 +194,22 @@ class Island:
             return lambda *args: jax.block_until_ready(fn(*args))
         return fn
 
+    def compile(self, fn, *abstract_args, **jit_kwargs):
+        """fn jitted, lowered for abstract arguments and compiled now, before the job's first
+        exchange (a peer never waits mid-step on this island's compiler), as program() calls it."""
+        return self.program(jax.jit(fn, **jit_kwargs).lower(*abstract_args).compile())
+
+    def put(self, value) -> jax.Array:
+        """A small host value as a replicated array of the island (every process holds it)."""
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, self.replicated(), lambda index: host[index])
+
+    def like(self, shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding or self.replicated())
+
+    def abstract_batch(self) -> dict:
+        return step.abstract_batch(self.icfg.batch_size, self.cfg.seq_len, self.batch_shardings)
+
     def activation_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, sharding.spec_for(ACTIVATION, self.rules))
 

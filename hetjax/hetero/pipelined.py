@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetjax import sharding
+from hetjax.compile import aot
 from hetjax.hetero import island as island_lib
 from hetjax.hetero.update import add_in_order, make_apply, sum_of_squares
 from hetjax.pipeline.schedule import forward_only, make_schedule
@@ -56,21 +57,27 @@ class PipelineStage:
                 g, dx, l = stage_backward(graphdef, params, x, pick(batch, m), dy, first=first, last=last)
             return jax.tree.map(jnp.add, acc, g), (None if first else dx), loss + l
 
-        self.fwd = island.program(jax.jit(fwd, out_shardings=replicated if last else act))
-        self.bwd = island.program(jax.jit(bwd, out_shardings=(params_sh, None if first else act, replicated),
-                           donate_argnums=(1, 2)))
-        self.zeros = island.program(jax.jit(
-            lambda p: (jax.tree.map(jnp.zeros_like, p), jnp.zeros((), jnp.float32)),
-            out_shardings=(params_sh, replicated)))
-        self.count = island.program(jax.jit(lambda b: jnp.sum(b["loss_mask"].astype(jnp.float32)),
-                                            out_shardings=replicated))
+        # Every program is compiled here, for abstract inputs: (parameters, batch,
+        # micro-batch index, stage input[, its output gradient]).
+        P = aot.abstract(island.abstract.params, params_sh)
+        B, index, scalar = island.abstract_batch(), island.like((), jnp.int32), island.like((), jnp.float32)
+        x_like, dy_like = (None if first else self.act_like), (None if last else self.act_like)
+        self.index = [island.put(np.int32(m)) for m in range(self.M)]
+        self.fwd = island.compile(fwd, P, B, index, x_like, out_shardings=replicated if last else act)
+        self.bwd = island.compile(bwd, P, P, scalar, B, index, x_like, dy_like, donate_argnums=(1, 2),
+                                  out_shardings=(params_sh, None if first else act, replicated))
+        self.zeros = island.compile(lambda p: (jax.tree.map(jnp.zeros_like, p), jnp.zeros((), jnp.float32)),
+                                    P, out_shardings=(params_sh, replicated))
+        self.count = island.compile(lambda b: jnp.sum(b["loss_mask"].astype(jnp.float32)), B,
+                                    out_shardings=replicated)
         mask = island_lib.owned(island.abstract.params, k, n, self.tied)
-        self.sumsq = island.program(jax.jit(lambda g: sum_of_squares(g, mask), out_shardings=replicated))
-        self.apply = island.program(jax.jit(make_apply(cfg, island.tx), donate_argnums=0,
-                             out_shardings=(island.shardings, replicated)))
+        self.sumsq = island.compile(lambda g: sum_of_squares(g, mask), P, out_shardings=replicated)
+        self.apply = island.compile(make_apply(cfg, island.tx), aot.abstract(island.abstract, island.shardings),
+                                    P, island.like((3,), jnp.float32), donate_argnums=0,
+                                    out_shardings=(island.shardings, replicated))
         self.shared = [name for name in island_lib.shared(island.abstract.params, n, self.tied)
                        if k in island_lib.holders(name, n, self.tied)]
-        self._add = island.program(jax.jit(add_in_order))
+        self._add = island.program(jax.jit(add_in_order))  # only for shared leaves, rarely
 
     # -- one pass of the schedule -------------------------------------------------
 
@@ -84,7 +91,7 @@ class PipelineStage:
         acc, loss = self.zeros(params) if train else (None, jnp.zeros((), jnp.float32))
         stash, sends = {}, []
         for op, m in ops:
-            mm = np.int32(m)
+            mm = self.index[m]
             if op == "F":
                 x = links.wait(recv_x.pop(m), prev) if k > 0 else None
                 if train:
@@ -117,7 +124,7 @@ class PipelineStage:
         mine = [loss if isl.last else 0.0, count if isl.last else 0.0, self.sumsq(grads), float(stop)]
         totals, table = self.links.totals(jnp.stack([jnp.asarray(v, jnp.float32) for v in mine]),
                                           f"{what}/totals", isl.mesh)
-        state, metrics = self.apply(state, grads, jnp.asarray(totals[:3], jnp.float32))
+        state, metrics = self.apply(state, grads, isl.put(totals[:3].astype(np.float32)))
         return state, metrics, table[:, 3]
 
     def _add_shared(self, grads, what: str):
