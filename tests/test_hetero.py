@@ -217,3 +217,9 @@ def test_islands_start_from_a_one_island_checkpoint(tmp_path):
     row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert row["step"] == 2
     np.testing.assert_allclose(row["loss"], one[2], rtol=1e-5)
+
+
+def test_an_island_too_small_for_its_part_is_refused_before_allocating(tmp_path):
+    with pytest.raises(ConfigError, match="island cuda \\(config.hetero.islands\\[0\\]\\): .* needs about"):
+        train.main(["--config", "tiny_hetero.py", f"--config.run_dir={tmp_path}", "--config.device_memory_gib=1e-5"])
+    assert not (tmp_path / "checkpoints").exists()

@@ -27,12 +27,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from hetjax import sharding, step
+from hetjax import checkpoint, memory, optim, pipeline, sharding, step
 from hetjax import state as state_lib
 from hetjax.config import MESH_AXES, ConfigError, IslandConfig
 from hetjax.hetero import placement
 from hetjax.mesh import resolve_shape
-from hetjax.pipeline.stages import BLOCKS
+from hetjax.pipeline.stages import BLOCKS, to_stages
 from hetjax.transfer.plan import Layout
 
 ACTIVATION = ("batch", "length", "embed")
@@ -160,6 +160,7 @@ class Island:
     layers: tuple[int, int] | None = None  # pipeline placement
     rows: tuple[int, int] | None = None  # data placement
     plan: object = None  # the island's own pipeline (data placement, mesh.pipeline > 1)
+    memory: object = None  # hetjax.memory's estimate for the island's part
 
     @property
     def name(self) -> str:
@@ -183,7 +184,8 @@ class Island:
         mesh = " x ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
         spec = self.geometry.spec
         return (f"island {self.name} ({spec.platform}, {spec.num_processes} x {spec.devices_per_process} "
-                f"{self.mesh.devices.flat[0].device_kind}): mesh {mesh}; {where}")
+                f"{self.mesh.devices.flat[0].device_kind}): mesh {mesh}; {where}; needs "
+                f"{self.memory.describe()}")
 
     def program(self, fn):
         """fn (a jitted program) as this island calls it. On CPU, an island of several
@@ -223,7 +225,6 @@ class Island:
     def init_from(self, path: str) -> state_lib.TrainState:
         """The island's part of saved weights (config.init_from: a one-island run's
         checkpoint or an imported Hugging Face model), with a fresh optimizer."""
-        from hetjax import checkpoint
         _, whole = state_lib.abstract_state(self.cfg.model, self.cfg.seed, self.tx)
         shardings = state_lib.state_shardings(whole.params, self.mesh, self.rules)
         params = checkpoint.load_params(path, whole.params, shardings)
@@ -234,7 +235,6 @@ class Island:
         if self.layers is not None:
             return part(params, self.index, self.count, self.layers, self.cfg.model.tie_embeddings)
         if self.plan is not None:
-            from hetjax.pipeline.stages import to_stages
             return to_stages(params, self.plan.layout)
         return params
 
@@ -248,7 +248,6 @@ class Island:
 def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island:
     """Island k on `devices` (its mesh); `layers`: its range for pipeline placement.
     Checks that its part splits over its mesh (ConfigError naming the field)."""
-    from hetjax import optim, pipeline
     spec = cfg.hetero.islands[k]
     geo = geometry(cfg, k)
     if len(devices) != math.prod(geo.shape):
@@ -285,6 +284,16 @@ def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island
         shardings = jax.tree.map(lambda x, s: island.replicated() if _placeholder(x) else s,
                                  abstract, shardings)
     island.shardings = shardings
+    # The island's part must fit its devices: say what it needs before allocating.
+    real = [(p, v) for p, v in nnx.to_flat_state(abstract.params) if not _placeholder(v.get_value())]
+    layouts = sharding.param_layouts(nnx.from_flat_state(real), mesh, island.rules)
+    part_cfg = icfg if layers is None else dataclasses.replace(
+        icfg, model=dataclasses.replace(cfg.model, num_layers=layers[1] - layers[0]))
+    island.memory = memory.estimate(part_cfg, layouts, mesh)
+    try:
+        memory.check_fits(part_cfg, island.memory, mesh)
+    except memory.DoesNotFit as e:
+        raise memory.DoesNotFit(f"island {spec.name} (config.hetero.islands[{k}]): {e}") from None
     return island
 
 

@@ -21,15 +21,21 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
 
 from hetjax import checkpoint
 from hetjax import config as config_lib
 from hetjax import metrics as metrics_lib
+from hetjax import state as state_lib
+from hetjax.compile import backend
 from hetjax.config import ConfigError
 from hetjax.hetero import island as island_lib
 from hetjax.hetero import placement
+from hetjax.hetero import runtime
 from hetjax.hetero.links import IslandLost, Links
 from hetjax.hetero.pipelined import PipelineStage
+from hetjax.hetero.profile import seconds_per_layer
 from hetjax.hetero.replicated import DataShare, IslandsDiverged
 from hetjax.hetero.runtime import IslandStartError
 from hetjax.transfer import TransferError
@@ -39,7 +45,6 @@ from hetjax.transfer.core import run_async
 def start(cfg) -> tuple[str, object]:
     """Sets up the backend for this process (before jax starts) and, in process mode,
     joins this island's jax.distributed world; (start-up line, runtime settings or None)."""
-    from hetjax.compile import backend
     if cfg.hetero.virtual:
         line = backend.start(cfg)
         if backend.resolve(cfg.compile)[0].platform == "cpu":
@@ -49,7 +54,6 @@ def start(cfg) -> tuple[str, object]:
             if "xla_force_host_platform_device_count" not in flags:
                 backend.virtual_cpu_devices(need)
         return line + " (virtual islands: every island runs on a share of this process's devices)", None
-    from hetjax.hetero import runtime
     settings = runtime.ProcessSettings.from_env(os.environ, cfg)
     if settings is None:
         raise ConfigError("config.hetero.virtual=False: start the islands' processes with "
@@ -237,7 +241,6 @@ class Job:
         if h.placement == "pipeline":
             speeds = None
             if h.auto_split:
-                from hetjax.hetero.profile import seconds_per_layer
                 times = self._run(local, lambda k: links[k].gather(
                     np.asarray([seconds_per_layer(cfg, meshes[k])], np.float32), "profile", meshes[k]))[0]
                 speeds = placement.balance(times[:, 0].tolist())
@@ -329,7 +332,6 @@ class Job:
         stop = bool(self.preempted)
         if self.settings is not None and self.settings.num_processes > 1:
             # Every process of the island must stop at the same step (a save is collective).
-            from jax.experimental import multihost_utils
             stop = bool(multihost_utils.process_allgather(np.int32(stop)).max())
         out = self._each(lambda w, s, b: w.train_step(s, b, step, stop), states, batches)
         self.step_count += 1
@@ -355,9 +357,6 @@ class Job:
             self._each(lambda w, s: w.stage.check_identical(s.params, f"fingerprint{step}"), states)
 
     def flops_per_step(self) -> float:
-        from flax import nnx
-
-        from hetjax import state as state_lib
         model = nnx.eval_shape(lambda: state_lib.make_model(self.cfg.model, self.cfg.seed))
         num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model)))
         return metrics_lib.model_flops_per_token(self.cfg, num_params) * self.cfg.batch_size * self.cfg.seq_len

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hetjax.hetero import runtime
 from hetjax.hetero.island import geometry
-from hetjax.transfer import TransferError, TransferTimeout, open_endpoint
+from hetjax.transfer import TransferError, TransferTimeout, local, open_endpoint
 
 
 class IslandLost(RuntimeError):
@@ -139,5 +139,4 @@ class Links:
         for ep in self.endpoints.values():
             ep.close()
         if self.settings is None:  # virtual: drop what was sent to us and never received
-            from hetjax.transfer import local
             local.drop(f"{self.job_id}", f">{self.names[self.k]}/")

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax import checkpoint, pipeline, step
+from hetjax import checkpoint, optim, pipeline, step
+from hetjax import state as state_lib
 from hetjax.compile import aot
 from hetjax.hetero import island as island_lib
 from hetjax.hetero.update import add_in_order, make_apply, sum_of_squares
@@ -88,8 +89,6 @@ class DataShare:
 
 def param_specs(cfg, k: int):
     """Island k's PartitionSpecs of the model's parameters, from the config alone."""
-    from hetjax import optim
-    from hetjax import state as state_lib
     mesh = island_lib.geometry(cfg, k).abstract_mesh()
     icfg = island_lib.island_config(cfg, k)
     plan = pipeline.make_plan(icfg, mesh)
