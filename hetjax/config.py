@@ -188,6 +188,7 @@ class Config:
     peak_tflops: float = 0.0  # per device for MFU; 0: the platform table (CPU: measured)
     checkpoint: CheckpointConfig = CheckpointConfig()
     init_from: str = ""  # start a new run from these saved weights (fresh optimizer, step 0)
+    fingerprint_every: int = 50  # parameter digest + norms every N steps (hetjax.repro); 0: first and last only
 
 
 # ---------------------------------------------------------------------------
@@ -350,6 +351,9 @@ def validate(cfg: Config) -> None:
         profiles.check_platform(cfg.compile.platform, "config.compile.platform")
     _validate_data(cfg)
     _validate_checkpoint(cfg.checkpoint)
+    if cfg.fingerprint_every < 0:
+        raise ConfigError(f"config.fingerprint_every={cfg.fingerprint_every}: use 0 (first and last "
+                          f"step only) or a positive step count")
 
 
 DATA_SOURCES = ("synthetic", "text", "jsonl", "array_record")

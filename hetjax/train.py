@@ -19,7 +19,7 @@ import numpy as np
 
 from hetjax import checkpoint
 from hetjax import config as config_lib
-from hetjax import data, memory, metrics, pipeline, sharding
+from hetjax import data, memory, metrics, pipeline, repro, sharding
 from hetjax.compile import aot, backend
 from hetjax.mesh import describe, make_mesh
 
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     metrics.truncate(run_dir, start)
     writer = metrics.Writer(run_dir, cfg.steps, cfg.tensorboard)
+    recorder = repro.Recorder(run_dir, cfg, mesh, plan, start)  # fingerprints.jsonl (hetjax/repro)
     last_finite, clock = -1, time.perf_counter()
 
     def report(s, step_metrics):
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if dataset.floor is not None:
             values["above_floor"] = values["loss"] - dataset.floor
         writer.write(s, values, echo=s % cfg.log_every == 0 or s == cfg.steps - 1)
+        recorder.step(s, values)
 
     def evaluate(s):
         nonlocal clock
@@ -140,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: preempted.append(True))
     try:
         previous = None
+        recorder.params(start, state.params)
         for s in range(start, cfg.steps):
-            state, step_metrics = train_step(state, next(batches))
+            state, step_metrics = train_step(state, recorder.batch(s, next(batches)))
+            recorder.params(s + 1, state.params)
             # Read the previous step's metrics only now, so the device is never idle
             # waiting for the host.
             flush()
@@ -164,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         batches.close()
         signal.signal(signal.SIGTERM, previous_handler)
         writer.close()
+        recorder.close()
         ckpt.close()
     print(f"done: {cfg.steps} steps; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
     return 0
