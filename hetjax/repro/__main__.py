@@ -13,6 +13,7 @@ from pathlib import Path
 from hetjax import config as config_lib
 from hetjax.repro import check as check_lib
 from hetjax.repro import compare as compare_lib
+from hetjax.repro import platforms as platforms_lib
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,10 +33,22 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--devices", type=int, default=8,
                    help="virtual CPU devices of a layout with an axis left to fill (CPU only)")
     k.add_argument("--fingerprint-every", type=int, default=10)
-    for q in (c, k):
-        q.add_argument("--rtol", type=float, default=compare_lib.LOSS_RTOL,
+    g = sub.add_parser("platforms", help="train on CPU and on this machine's GPU from one set of initial "
+                       "weights and compare", epilog="Other arguments --config.KEY=VALUE override the config.")
+    g.add_argument("--config", required=True)
+    g.add_argument("--platforms", default="cpu,gpu", help="two of cpu, cuda, rocm, gpu (this machine's)")
+    g.add_argument("--out", default="runs/repro_platforms", help="a new directory for the runs")
+    g.add_argument("--steps", type=int, default=20)
+    g.add_argument("--fingerprint-every", type=int, default=10)
+    i = sub.add_parser("init", help="save a config's initial weights as checkpoint 0 (for init_from)")
+    i.add_argument("--config", required=True)
+    i.add_argument("--out", required=True)
+    for q in (c, k, g):
+        default = platforms_lib.PLATFORM_RTOL if q is g else compare_lib.LOSS_RTOL
+        norm_default = platforms_lib.PLATFORM_NORM_RTOL if q is g else compare_lib.NORM_RTOL
+        q.add_argument("--rtol", type=float, default=default,
                        help="largest allowed relative loss gap (default %(default)g)")
-        q.add_argument("--norm-rtol", type=float, default=compare_lib.NORM_RTOL,
+        q.add_argument("--norm-rtol", type=float, default=norm_default,
                        help="largest allowed relative gap of a tensor's norm (default %(default)g)")
     c.add_argument("--plot", default=None, help="PNG of both loss curves (default RUN_B/compare.png)")
     args, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
@@ -50,6 +63,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"plot: {path}")
             return report.code
         overrides = config_lib.parse_command_line(["--config", args.config, *rest], flags=()).overrides
+        if args.command == "init":
+            print(f"initial weights saved in {platforms_lib.save_initial(args.config, overrides, args.out)}")
+            return 0
+        if args.command == "platforms":
+            names = [None if p.strip() == "gpu" else p.strip() for p in args.platforms.split(",")]
+            if len(names) != 2:
+                raise config_lib.ConfigError(f"--platforms={args.platforms!r}: name two, e.g. cpu,gpu")
+            return platforms_lib.compare_platforms(args.config, overrides, args.out, names, steps=args.steps,
+                                                   fingerprint_every=args.fingerprint_every, rtol=args.rtol,
+                                                   norm_rtol=args.norm_rtol)
         code, _ = check_lib.check(args.config, args.layouts, args.out, overrides, steps=args.steps,
                                   devices=args.devices, fingerprint_every=args.fingerprint_every,
                                   rtol=args.rtol, norm_rtol=args.norm_rtol)

@@ -92,15 +92,17 @@ def cpu_env(devices: int | None, environ=None) -> dict:
     return env
 
 
-def run(lay: Layout, config: str, overrides: dict, run_dir: Path, platform: str, timeout: float) -> int:
-    """Trains one layout in a fresh process; its output goes to run_dir/train.log."""
+def run(lay: Layout, config: str, overrides: dict, run_dir: Path, platform: str, timeout: float,
+        env: dict | None = None) -> int:
+    """Trains one layout in a fresh process (with `env` added to the environment); its
+    output goes to run_dir/train.log."""
     args = [sys.executable, "-m", lay.module, "--config", config,
             *[f"--config.{k}={v}" for k, v in {**overrides, **lay.overrides}.items()],
             f"--config.run_dir={run_dir}", "--config.compile.deterministic=true"]
-    env = cpu_env(lay.devices) if platform == "cpu" else dict(os.environ)
+    env = {**(cpu_env(lay.devices) if platform == "cpu" else dict(os.environ)), **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    run_dir.mkdir(parents=True)
-    with open(run_dir / "train.log", "w") as log:
+    run_dir.mkdir(parents=True, exist_ok=True)  # an existing run resumes (and appends to its log)
+    with open(run_dir / "train.log", "a") as log:
         log.write(" ".join(args) + "\n")
         log.flush()
         try:
