@@ -3,6 +3,7 @@
 import dataclasses
 import importlib.util
 import json
+import os
 import shutil
 
 import jax
@@ -120,8 +121,10 @@ SMALL = {"model.embed_dim": "32", "model.mlp_dim": "64", "model.num_kv_heads": "
 
 @pytest.fixture
 def small(tmp_path_factory):
-    # One compilation cache for every run of every worker: the same program compiles once.
-    cache = tmp_path_factory.getbasetemp().parent / "repro_jax_cache"
+    # One compilation cache for every run of this session (all xdist workers): the same
+    # program compiles once.
+    base = tmp_path_factory.getbasetemp()
+    cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "repro_jax_cache"
     return {**SMALL, "compile.cache_dir": str(cache)}
 
 
