@@ -31,10 +31,10 @@ from hetjax.repro import fingerprint as fp
 FILE = "fingerprints.jsonl"
 
 
-def header(cfg, mesh, start: int) -> dict:
-    """Where and how a run (or its resumed part) ran."""
+def header(cfg, mesh, start: int, extra: dict | None = None) -> dict:
+    """Where and how a run (or its resumed part) ran; mesh None: this process's devices."""
     from hetjax.compile import backend
-    device = mesh.devices.flat[0]
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
     try:
         import jaxlib
         jaxlib_version = jaxlib.__version__
@@ -42,9 +42,10 @@ def header(cfg, mesh, start: int) -> dict:
         jaxlib_version = "?"
     return {"kind": "header", "step": start, "platform": device.platform, "device_kind": device.device_kind,
             "jax": jax.__version__, "jaxlib": jaxlib_version, "python": platform_lib.python_version(),
-            "mesh": {k: int(v) for k, v in mesh.shape.items()}, "profile": backend.resolve(cfg.compile)[0].name,
-            "processes": jax.process_count(), "devices": int(mesh.devices.size),
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "config": to_dict(cfg)}
+            "mesh": {} if mesh is None else {k: int(v) for k, v in mesh.shape.items()},
+            "profile": backend.resolve(cfg.compile)[0].name, "processes": jax.process_count(),
+            "devices": jax.device_count() if mesh is None else int(mesh.devices.size),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "config": to_dict(cfg), **(extra or {})}
 
 
 class Recorder:
@@ -56,18 +57,25 @@ class Recorder:
         recorder.params(s + 1, state.params)                      # when due
         recorder.step(s, host_metrics)                            # when the metrics are read
         recorder.close()
+
+    Islands pass mesh=None and `extra` (e.g. {"islands": ...}) for the header, write=True
+    in exactly one process of the job, and write the sum of their parts' fingerprints
+    with `write_params` when `due(step)`.
     """
 
-    def __init__(self, run_dir: Path, cfg, mesh, plan=None, start: int = 0):
+    def __init__(self, run_dir: Path, cfg, mesh=None, plan=None, start: int = 0, extra: dict | None = None,
+                 write: bool | None = None):
         self.every, self.last = cfg.fingerprint_every, cfg.steps
         self.start = start
         self.layout = None if plan is None else plan.layout
         self.pending: dict[int, dict] = {}
         self.file = None
-        if jax.process_index() == 0:
+        if write is None:  # islands are separate jax worlds: they say which process writes
+            write = jax.process_index() == 0
+        if write:
             metrics.truncate(run_dir, start, FILE)  # rows of steps >= start will be written again
             self.file = open(run_dir / FILE, "a", buffering=1)
-            self._write(header(cfg, mesh, start))
+            self._write(header(cfg, mesh, start, extra))
 
     def _write(self, row: dict) -> None:
         if self.file is not None:
