@@ -99,13 +99,13 @@ def test_batch_digest_is_exact_for_any_sharding_and_adds_over_rows():
 
 
 def test_layouts_are_parsed_and_bad_ones_refused():
-    parsed = check.parse("fsdp=8; fsdp=2,tensor=4; pipeline=2", 8)
+    parsed = check.parse("fsdp=8; fsdp=2,tensor=4; pipeline=2")
     lays = [check.layout(n, s, CFG, 8) for n, s in parsed]
     assert [(l.overrides["mesh.fsdp"], l.overrides["mesh.tensor"], l.overrides["mesh.pipeline"], l.devices)
             for l in lays] == [("8", "1", "1", 8), ("2", "4", "1", 8), ("-1", "1", "2", 8)]
     for bad, word in (("fsdp=8", "at least two"), ("fsdp=8; tensr=2", "tensr=2"), ("fsdp=8; islands=2,fsdp=2", "islands")):
         with pytest.raises(ConfigError, match=word):
-            check.parse(bad, 8)
+            check.parse(bad)
     if importlib.util.find_spec("hetjax.hetero") is None:
         with pytest.raises(ConfigError, match="hetjax.hetero"):
             check.layout("islands=2", {"islands": 2}, CFG, 8)
@@ -142,12 +142,13 @@ def test_layouts_agree_within_tolerance(tmp_path, small, capsys):
     code, rows = check.check("tiny", layouts, tmp_path / "check", small, steps=20)
     out = capsys.readouterr().out
     assert code == 0, out
-    assert rows[0][2] is True and len(rows) == len(layouts.split(";"))
-    for name, run_dir, report in rows[1:]:
-        assert report.first_data_diff is None and report.init_equal and report.init_step == 0, name
-        assert report.steps == list(range(20)) and report.within and not report.void, (name, out)
-        assert 0 <= report.max_loss_gap <= compare.LOSS_RTOL and name in out
-    first = read(rows[0][1])
+    assert all(row.ok for row in rows) and len(rows) == len(layouts.split(";"))
+    for row in rows[1:]:
+        report = row.report
+        assert report.first_data_diff is None and report.init_equal and report.init_step == 0, row.layout
+        assert report.steps == list(range(20)) and report.within and not report.void, (row.layout, out)
+        assert 0 <= report.max_loss_gap <= compare.LOSS_RTOL and row.layout in out
+    first = read(rows[0].run_dir)
     assert first[0][0]["profile"] == "cpu-deterministic" and first[0][0]["mesh"]["fsdp"] == 8
     assert sorted(first[2]) == [0, 10, 20]
 

@@ -36,11 +36,19 @@ class Layout:
 
     name: str
     overrides: dict  # config key -> value (text)
-    devices: int | None = None  # virtual CPU devices it needs on a CPU host (None: --devices)
-    module: str = "hetjax.train"
+    devices: int | None = None  # virtual CPU devices it needs on a CPU host (None: all there are)
+    module: str = "hetjax.train"  # or a launcher that takes the same arguments
+    config: str | None = None  # another config file for this layout (None: check's --config)
 
 
-def parse(text: str, devices: int) -> list[tuple[str, dict[str, int]]]:
+@dataclasses.dataclass
+class Row:
+    layout: str
+    run_dir: Path
+    ok: bool  # the run finished
+    report: compare_lib.Report | None  # against the first layout's run
+
+def parse(text: str) -> list[tuple[str, dict[str, int]]]:
     """'fsdp=8; pipeline=2' -> [('fsdp=8', {'fsdp': 8}), ('pipeline=2', {'pipeline': 2})]."""
     out = []
     for item in (t.strip() for t in text.split(";")):
@@ -71,7 +79,7 @@ def layout(name: str, sizes: dict[str, int], cfg, devices: int) -> Layout:
                               f"installation lacks ({e})") from e
         got = islands_layout(cfg, sizes["islands"])
         return Layout(name, dict(getattr(got, "overrides", got)), getattr(got, "devices", None),
-                      getattr(got, "module", "hetjax.train"))
+                      getattr(got, "module", "hetjax.train"), getattr(got, "config", None))
     mesh = {a: 1 for a in MESH_AXES} | {"fsdp": -1} | sizes
     if -1 not in mesh.values():
         devices = math.prod(mesh.values())
@@ -96,7 +104,7 @@ def run(lay: Layout, config: str, overrides: dict, run_dir: Path, platform: str,
         env: dict | None = None) -> int:
     """Trains one layout in a fresh process (with `env` added to the environment); its
     output goes to run_dir/train.log."""
-    args = [sys.executable, "-m", lay.module, "--config", config,
+    args = [sys.executable, "-m", lay.module, "--config", lay.config or config,
             *[f"--config.{k}={v}" for k, v in {**overrides, **lay.overrides}.items()],
             f"--config.run_dir={run_dir}", "--config.compile.deterministic=true"]
     env = {**(cpu_env(lay.devices) if platform == "cpu" else dict(os.environ)), **(env or {})}
@@ -115,23 +123,19 @@ def run(lay: Layout, config: str, overrides: dict, run_dir: Path, platform: str,
 def check(config: str, layouts: str, out: str | Path, overrides: dict | None = None, *, steps: int = 20,
           devices: int = 8, fingerprint_every: int = 10, rtol: float = compare_lib.LOSS_RTOL,
           norm_rtol: float = compare_lib.NORM_RTOL, timeout: float = 1800, echo=print) -> tuple[int, list]:
-    """Runs every layout and compares each with the first. Returns (exit code, rows), where a
-    row is (layout, run_dir, Report or None when the run failed)."""
+    """Runs every layout and compares each with the first. Returns (exit code, rows)."""
     overrides = {**(overrides or {}), "steps": str(steps), "fingerprint_every": str(fingerprint_every)}
     cfg = config_lib.load(config, overrides)  # a bad key or value fails before any run
-    lays = [layout(name, sizes, cfg, devices) for name, sizes in parse(layouts, devices)]
-    for lay in lays:
-        test = cfg
-        for k, v in lay.overrides.items():
-            test = config_lib.override(test, k, v)
-        config_lib.validate(test)
+    lays = [layout(name, sizes, cfg, devices) for name, sizes in parse(layouts)]
+    for lay in lays:  # every layout's config is checked before the first run
+        config_lib.validate(config_lib.load(lay.config or config, {**overrides, **lay.overrides}))
     out = Path(out)
     if out.exists() and any(p.name != ".jax_cache" for p in out.iterdir()):
         raise ConfigError(f"--out={str(out)!r} already holds runs; give a new directory (check never "
                           f"overwrites runs)")
     from hetjax.compile import backend
     platform = cfg.compile.platform if cfg.compile.platform != "auto" else backend.detect()[0]
-    rows = []
+    rows: list[Row] = []
     for i, lay in enumerate(lays):
         run_dir = out / f"{i}_{slug(lay.name)}"
         echo(f"[{i + 1}/{len(lays)}] {lay.name}: training {steps} steps in {run_dir}", flush=True)
@@ -139,29 +143,31 @@ def check(config: str, layouts: str, out: str | Path, overrides: dict | None = N
         if code != 0:
             tail = (run_dir / "train.log").read_text().splitlines()[-5:]
             echo(f"  failed (exit {code}):\n    " + "\n    ".join(tail), flush=True)
-        report = None if code != 0 or not rows or rows[0][2] is False else \
-            compare_lib.compare(rows[0][1], run_dir, rtol, norm_rtol)
-        rows.append((lay.name, run_dir, report if i else (code == 0)))
+        compared = i > 0 and code == 0 and rows[0].ok
+        rows.append(Row(lay.name, run_dir, code == 0,
+                        compare_lib.compare(rows[0].run_dir, run_dir, rtol, norm_rtol) if compared else None))
     echo(table(rows, rtol, norm_rtol), flush=True)
-    reports = [r for _, _, r in rows[1:]]
-    if rows[0][2] is not True or any(r is None for r in reports):
+    if not all(r.ok for r in rows):
         return 1, rows
-    return max((r.code for r in reports), default=0), rows
+    return max(r.report.code for r in rows[1:]), rows
 
 
 def table(rows, rtol: float, norm_rtol: float) -> str:
     """One line per layout, each against the first."""
     head = ("layout", "data", "step-0 weights", "1st loss diff", "max loss gap", "max norm drift", "verdict")
     lines = [head]
-    for i, (name, _, r) in enumerate(rows):
-        if i == 0:
-            lines.append((name, "-", "-", "-", "-", "-", "reference" if r else "FAILED"))
+    for i, row in enumerate(rows):
+        r = row.report
+        if not row.ok:
+            lines.append((row.layout, "-", "-", "-", "-", "-", "FAILED (see its train.log)"))
+        elif i == 0:
+            lines.append((row.layout, "-", "-", "-", "-", "-", "reference"))
         elif r is None:
-            lines.append((name, "-", "-", "-", "-", "-", "FAILED (see its train.log)"))
+            lines.append((row.layout, "-", "-", "-", "-", "-", "not compared (the reference failed)"))
         else:
             verdict = ("void" if r.void else "bit-identical" if r.identical
                        else "ok" if r.within else "OUT OF TOLERANCE")
-            lines.append((name, "same" if r.first_data_diff is None else f"differ@{r.first_data_diff}",
+            lines.append((row.layout, "same" if r.first_data_diff is None else f"differ@{r.first_data_diff}",
                           "same" if r.init_equal else "DIFFER",
                           "-" if r.first_loss_diff is None else str(r.first_loss_diff),
                           f"{r.max_loss_gap:.2e}", f"{r.max_norm_drift:.2e}", verdict))

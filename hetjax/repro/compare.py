@@ -106,7 +106,7 @@ def json_value(v):
 
 
 # Fields that say where and how a run ran, not what it trained.
-_LAYOUT_KEYS = ("run_dir", "mesh.", "compile.", "checkpoint.", "pipeline.", "sharding.", "tensorboard",
+_LAYOUT_KEYS = ("run_dir", "mesh.", "compile.", "checkpoint.", "pipeline.", "sharding.", "hetero.", "tensorboard",
                 "log_every", "eval_", "fingerprint_every", "device_memory_gib", "memory_fraction",
                 "peak_tflops", "data.num_workers", "init_from")
 

@@ -86,11 +86,14 @@ class Recorder:
         self.pending[step] = fp.batch_words(batch)
         return batch
 
-    def step(self, step: int, values: dict) -> None:
-        """Writes step `step`'s loss, gradient norm and batch digest (values: host scalars)."""
-        words = self.pending.pop(step)
+    def step(self, step: int, values: dict, batch_digest: int | None = None) -> None:
+        """Writes step `step`'s loss, gradient norm (values: host scalars) and batch digest:
+        `batch_digest` if given (e.g. the sum of the islands' parts), else that of `batch()`."""
+        words = self.pending.pop(step, None)
+        if batch_digest is None:
+            batch_digest = fp.combine_rows(words)
         self._write({"kind": "step", "step": step, "loss": float(values["loss"]),
-                     "grad_norm": float(values["grad_norm"]), "batch": fp.hex64(fp.combine_rows(words))})
+                     "grad_norm": float(values["grad_norm"]), "batch": fp.hex64(batch_digest)})
 
     def due(self, step: int) -> bool:
         return step in (self.start, self.last) or (self.every > 0 and step % self.every == 0)
