@@ -280,6 +280,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     init_from: str = ""  # start a new run from these saved weights (fresh optimizer, step 0)
     hetero: HeteroConfig = HeteroConfig()
+    fingerprint_every: int = 50  # parameter digest + norms every N steps (hetjax.repro); 0: first and last only
 
 
 # ---------------------------------------------------------------------------
@@ -443,6 +444,9 @@ def validate(cfg: Config) -> None:
     _validate_data(cfg)
     _validate_checkpoint(cfg.checkpoint)
     _validate_hetero(cfg)
+    if cfg.fingerprint_every < 0:
+        raise ConfigError(f"config.fingerprint_every={cfg.fingerprint_every}: use 0 (first and last "
+                          f"step only) or a positive step count")
 
 
 DATA_SOURCES = ("synthetic", "text", "jsonl", "array_record")

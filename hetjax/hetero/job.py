@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from hetjax import checkpoint
+from hetjax import checkpoint, repro
 from hetjax import config as config_lib
 from hetjax import metrics as metrics_lib
 from hetjax import state as state_lib
@@ -103,18 +103,23 @@ def differences(a: dict, b: dict) -> list[str]:
             if fa.get(k) != fb.get(k)]
 
 
+def gather_json(links: Links, value, what: str, mesh) -> list:
+    """Every island's JSON-able `value`, in island order."""
+    text = np.frombuffer(json.dumps(value, sort_keys=True).encode(), np.uint8)
+    sizes = links.gather(np.asarray([text.size], np.int32), f"{what}/size", mesh)[:, 0]
+    mine = np.zeros(int(sizes.max()), np.uint8)
+    mine[:text.size] = text
+    got = links.gather(mine, f"{what}/text", mesh)
+    return [json.loads(row[:n].tobytes().decode()) for row, n in zip(got, sizes)]
+
+
 def check_config(cfg, links: Links, mesh) -> None:
     """Islands whose configs disagree refuse to start, naming the difference. The first
     exchange of a job: nothing is compiled or allocated before it."""
     ours = json.loads(json.dumps(agreed(cfg), sort_keys=True))  # tuples as lists, like theirs
-    text = np.frombuffer(json.dumps(ours, sort_keys=True).encode(), np.uint8)
-    sizes = links.gather(np.asarray([text.size], np.int32), "config/size", mesh)[:, 0]
-    mine = np.zeros(int(sizes.max()), np.uint8)
-    mine[:text.size] = text
-    got = links.gather(mine, "config/text", mesh)
     names = [i.name for i in cfg.hetero.islands]
-    for j in range(len(names)):
-        diff = differences(ours, json.loads(got[j][:sizes[j]].tobytes().decode()))
+    for j, theirs in enumerate(gather_json(links, ours, "config", mesh)):
+        diff = differences(ours, theirs)
         if diff:
             raise ConfigError(f"island {names[j]}'s config differs from island {names[links.k]}'s: "
                               f"{'; '.join(diff[:5])}; start every island with the same config")
@@ -132,6 +137,19 @@ class Worker:
         self.dataset, self.rows = dataset, self.island.rows
         self.manager = checkpoint.Manager(checkpoint.default_dir(cfg) / self.name, cfg.checkpoint)
         self.step_seconds = 0.0
+
+    def fingerprint_part(self, state) -> dict:
+        """{tensor: (hash, norm)} of the parameters this island counts (hetjax.repro): its
+        layers, and a shared or replicated tensor on one island only."""
+        isl = self.island
+        if isl.layers is None:  # data placement: every island holds the same whole model
+            part = repro.param_fingerprint(state.params) if isl.first else repro.ParamFingerprint({})
+        else:
+            n, tied = isl.count, isl.cfg.model.tie_embeddings
+            kept = [(p, v) for p, v in nnx.to_flat_state(state.params)
+                    if p[0] == island_lib.BLOCKS or island_lib.holders(p[0], n, tied)[0] == isl.index]
+            part = repro.param_fingerprint(nnx.from_flat_state(kept), layer_offset=isl.layers[0])
+        return {k: (t.hash, t.norm) for k, t in part.tensors.items()}
 
     def train_step(self, state, batch, step: int, stop: bool):
         t = time.perf_counter()
@@ -225,6 +243,7 @@ class Checkpoints:
 class Job:
     """Every island of the job that lives in this process."""
 
+    mesh = None  # islands have one each
     def __init__(self, cfg, dataset, settings=None, log=print):
         self.cfg, self.dataset, self.settings = cfg, dataset, settings
         h = cfg.hetero
@@ -267,8 +286,10 @@ class Job:
         if data_state is not None:
             self.batches.set_state(data_state)
         self.run_dir = Path(cfg.run_dir)
-        if settings is not None and (local[0] != 0 or settings.process_id != 0):
+        self.writes_fingerprints = settings is None or (local[0] == 0 and settings.process_id == 0)
+        if not self.writes_fingerprints:  # one writer of run_dir's files per job
             self.run_dir = self.run_dir / "islands" / f"{settings.island}-{settings.process_id}"
+        self._batch_words: dict = {}
 
     def _devices(self, local):
         h = self.cfg.hetero
@@ -349,6 +370,36 @@ class Job:
             return w.stage.eval_sums(state.params, batch, f"eval{self.step_count}.{i}")
         loss, tokens = self._each(run, states)[0]
         return {"loss_sum": loss, "tokens": tokens}
+
+    def digest_batch(self, step: int, batches) -> None:
+        """Starts the fingerprint of step `step`'s global batch (hetjax.repro)."""
+        self._batch_words[step] = [repro.batch_words(b) for b in batches]
+
+    def batch_digest(self, step: int) -> int:
+        """The global batch's digest: any island's (pipeline: each holds it whole), or the
+        sum of the islands' row shares (data)."""
+        words = self._batch_words.pop(step)
+        if self.cfg.hetero.placement == "pipeline":
+            return repro.combine_rows(words[0])
+        parts = [repro.combine_rows(w, rows=wk.rows[0]) for w, wk in zip(words, self.workers)]
+        if self.settings is not None:  # the other islands' shares are theirs: exchange them
+            pair = np.asarray([parts[0] & 0xFFFFFFFF, parts[0] >> 32], np.uint32)
+            w = self.workers[0]
+            got = w.links.gather(pair, f"digest{step}", w.island.mesh).astype(np.uint64)
+            parts = [int(lo) | (int(hi) << 32) for lo, hi in got]
+        return sum(parts) % 2**64
+
+    def param_fingerprint(self, states) -> repro.ParamFingerprint:
+        """The whole model's fingerprint: the sum of every island's part."""
+        parts = self._each(lambda w, s: w.fingerprint_part(s), states)
+        if self.settings is not None:
+            w = self.workers[0]
+            parts = gather_json(w.links, parts[0], f"params{self.step_count}", w.island.mesh)
+        total = repro.ParamFingerprint({})
+        for part in parts:
+            total = total + repro.ParamFingerprint({k: repro.TensorPrint(int(h), float(v))
+                                                    for k, (h, v) in part.items()})
+        return total
 
     def check_identical(self, states, step: int) -> None:
         """Data placement: every fingerprint_every steps, islands compare parameter hashes."""
