@@ -220,6 +220,6 @@ def test_islands_start_from_a_one_island_checkpoint(tmp_path):
 
 
 def test_an_island_too_small_for_its_part_is_refused_before_allocating(tmp_path):
-    with pytest.raises(ConfigError, match="island cuda \\(config.hetero.islands\\[0\\]\\): .* needs about"):
+    with pytest.raises(ConfigError, match="island (cuda|rocm) \\(config.hetero.islands\\[[01]\\]\\): .* needs about"):
         train.main(["--config", "tiny_hetero.py", f"--config.run_dir={tmp_path}", "--config.device_memory_gib=1e-5"])
     assert not (tmp_path / "checkpoints").exists()

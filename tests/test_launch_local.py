@@ -19,7 +19,7 @@ CONFIG = """
 from hetjax.config import Config, HeteroConfig, IslandConfig, MeshConfig, ModelConfig
 
 def get_config():
-    return Config(model=ModelConfig(num_layers=3), steps=4, batch_size=8, seq_len=16,
+    return Config(model=ModelConfig(num_layers=3), steps=4, batch_size=48, seq_len=16,
                   run_dir={run_dir!r}, hetero=HeteroConfig(islands=(
                       IslandConfig(name="a", num_processes=2, devices_per_process=2),
                       IslandConfig(name="b", platform="rocm", num_processes=1, devices_per_process=3)),
