@@ -204,7 +204,9 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
 def _supervise(procs: list[Process], timeout_s: float, stop: list, say) -> int:
     """Waits for the job; on the first failure (or a signal to the launcher) stops the rest."""
     failed, deadline, seen = None, None, set()
-    while any(p.popen.poll() is None for p in procs):
+
+    def look():
+        nonlocal failed, deadline
         for p in procs:
             code = p.popen.poll()
             if code is None or p.settings.tag in seen:
@@ -217,6 +219,9 @@ def _supervise(procs: list[Process], timeout_s: float, stop: list, say) -> int:
                 deadline = time.monotonic() + timeout_s
             elif failed is not None:
                 say(f"{p.settings.tag} stopped by itself with {_status(code)}")
+
+    while any(p.popen.poll() is None for p in procs):
+        look()
         if stop and deadline is None:
             say(f"got signal {stop[0]}: stopping the job (SIGTERM to every process)")
             for p in procs:
@@ -224,19 +229,14 @@ def _supervise(procs: list[Process], timeout_s: float, stop: list, say) -> int:
             deadline = time.monotonic() + timeout_s
         if deadline is not None and time.monotonic() > deadline:
             _terminate(procs, say)
+            seen.update(p.settings.tag for p in procs)
             break
         time.sleep(0.05)
+    look()
     if failed is not None:
         p, code = failed
         return code if code > 0 else 128 - code
-    if stop:
-        return 128 + stop[0]
-    bad = [(p, p.popen.returncode) for p in procs if p.popen.returncode]
-    if bad:  # failed after the loop last looked
-        p, code = bad[0]
-        say(f"island {p.settings.island} rank {p.settings.process_id} exited with {code}")
-        return code if code > 0 else 128 - code
-    return 0
+    return 128 + stop[0] if stop else 0
 
 
 def _status(code: int) -> str:
