@@ -68,19 +68,24 @@ def plan(cfg: Config, stand_in: str = "", host: str = "127.0.0.1") -> list[runti
 
 def process_env(settings: runtime.ProcessSettings, island, first_device: int, base=None) -> dict[str, str]:
     """The environment of one process: the settings, its platform and its devices."""
-    env = dict(os.environ if base is None else base)
+    env = device_env(settings.platform(island), island.devices_per_process, first_device, base)
     env.update(settings.to_env())
+    return env
+
+
+def device_env(platform: str, devices: int, first_device: int = 0, base=None) -> dict[str, str]:
+    """An environment for `python -m hetjax...` from the repository on `devices` devices of
+    `platform`: that many virtual devices on CPU, GPUs first_device.. otherwise."""
+    env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the log as they are printed
-    platform = settings.platform(island)
     env["JAX_PLATFORMS"] = platform
     if platform == "cpu":
         flags = [f for f in env.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]
-        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={island.devices_per_process}"])
+        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
     else:  # several processes of GPU islands on one machine: each takes its own GPUs
-        ids = range(first_device, first_device + island.devices_per_process)
-        env[_VISIBLE[platform]] = ",".join(map(str, ids))
+        env[_VISIBLE[platform]] = ",".join(map(str, range(first_device, first_device + devices)))
     return env
 
 
