@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     args = config_lib.parse_command_line(sys.argv[1:] if argv is None else argv)
     cfg = config_lib.load(args.config, args.overrides)
     config_lib.validate(cfg)
+    if args.compile_only and cfg.hetero.islands:
+        raise config_lib.ConfigError(
+            "--compile_only lowers one mesh's train step; islands compile their own stage programs "
+            "when the job starts (not ahead of time yet): drop --compile_only, or compile one island "
+            "alone with that island's mesh as config.mesh and no config.hetero.islands")
     if cfg.hetero.islands:
         line, settings = hetero_job.start(cfg)  # each island's profile; joins its jax.distributed world
     else:
@@ -72,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal last_finite, clock
         values = jax.device_get(step_metrics)
         now = time.perf_counter()
-        step_time, clock = now - clock, now
+        # A job whose step returns only when done (islands) times it itself.
+        step_time, clock = values.pop("step_time", now - clock), now
         if not np.isfinite(values["loss"]):
             raise TrainingDiverged(
                 f"loss is {values['loss']} at step {s}; the last finite loss was at step "
@@ -144,7 +150,7 @@ def cli() -> int:
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (TrainingDiverged, checkpoint.CheckpointError) as e:
+    except (TrainingDiverged, checkpoint.CheckpointError, *hetero_job.JobError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -13,6 +13,6 @@ def _commands():
 
 def test_ci_runs_the_readme_test_command():
     train_cmd, test_cmd = _commands()
-    assert "hetjax.train --config configs/tiny.py" in train_cmd and "pip install" in train_cmd
+    assert "hetjax.train --config configs/tiny_hetero.py" in train_cmd and "pip install" in train_cmd
     assert "pytest" in test_cmd and '".[test]"' in test_cmd
     assert test_cmd in (ROOT / ".ci" / "run").read_text().splitlines()

@@ -179,6 +179,15 @@ class Island:
         return (f"island {self.name} ({spec.platform}, {spec.num_processes} x {spec.devices_per_process} "
                 f"{self.mesh.devices.flat[0].device_kind}): mesh {mesh}; {where}")
 
+    def program(self, fn):
+        """fn (a jitted program) as this island calls it. On CPU, an island of several
+        processes runs each program to completion before the next: the CPU runtime may
+        run independent programs concurrently, and two processes starting their gloo
+        collectives in different orders would mismatch (GPUs order them on a stream)."""
+        if self.geometry.spec.num_processes > 1 and self.mesh.devices.flat[0].platform == "cpu":
+            return lambda *args: jax.block_until_ready(fn(*args))
+        return fn
+
     def activation_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, sharding.spec_for(ACTIVATION, self.rules))
 
@@ -189,13 +198,27 @@ class Island:
         """The island's part of the same initial weights a one-island run starts from."""
         return jax.jit(self._init, out_shardings=self.shardings)()
 
+    def init_from(self, path: str) -> state_lib.TrainState:
+        """The island's part of saved weights (config.init_from: a one-island run's
+        checkpoint or an imported Hugging Face model), with a fresh optimizer."""
+        from hetjax import checkpoint
+        _, whole = state_lib.abstract_state(self.cfg.model, self.cfg.seed, self.tx)
+        shardings = state_lib.state_shardings(whole.params, self.mesh, self.rules)
+        params = checkpoint.load_params(path, whole.params, shardings)
+        params = jax.jit(self._part, out_shardings=self.shardings.params)(params)
+        return checkpoint.fresh_state(params, self.tx, self.shardings)
+
+    def _part(self, params):
+        if self.layers is not None:
+            return part(params, self.index, self.count, self.layers, self.cfg.model.tie_embeddings)
+        if self.plan is not None:
+            from hetjax.pipeline.stages import to_stages
+            return to_stages(params, self.plan.layout)
+        return params
+
     def _init(self):
         _, params = nnx.split(state_lib.make_model(self.cfg.model, self.cfg.seed))
-        if self.layers is not None:
-            params = part(params, self.index, self.count, self.layers, self.cfg.model.tie_embeddings)
-        elif self.plan is not None:
-            from hetjax.pipeline.stages import to_stages
-            params = to_stages(params, self.plan.layout)
+        params = self._part(params)
         return state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                                     opt_state=self.tx.init(params))
 

@@ -27,9 +27,11 @@ from hetjax import metrics as metrics_lib
 from hetjax.config import ConfigError
 from hetjax.hetero import island as island_lib
 from hetjax.hetero import placement
-from hetjax.hetero.links import Links
+from hetjax.hetero.links import IslandLost, Links
 from hetjax.hetero.pipelined import PipelineStage
-from hetjax.hetero.replicated import DataShare
+from hetjax.hetero.replicated import DataShare, IslandsDiverged
+from hetjax.hetero.runtime import IslandStartError
+from hetjax.transfer import TransferError
 
 
 def start(cfg) -> tuple[str, object]:
@@ -58,6 +60,11 @@ def start(cfg) -> tuple[str, object]:
     where = f"island {settings.island} rank {settings.process_id}/{spec.num_processes}"
     stand_in = f" standing in for {spec.platform}" if settings.stand_in else ""
     return f"{line}; {where} on {platform}{stand_in}", settings
+
+
+# What a job over islands may fail with, besides config and checkpoint errors: a peer
+# island lost, islands whose parameters drifted apart, a world that did not form.
+JobError = (IslandLost, IslandsDiverged, IslandStartError, TransferError)
 
 
 def agreed(cfg) -> dict:
@@ -161,8 +168,7 @@ class Checkpoints:
         return self.job.workers[0].manager.should_save(step)
 
     def save(self, step: int, states, data_state: dict, config: dict) -> None:
-        for w, state in zip(self.job.workers, states):
-            w.manager.save(step, state, data_state, config)
+        self.job._each(lambda w, state: w.manager.save(step, state, data_state, config), states)
 
     def wait(self) -> None:
         for w in self.job.workers:
@@ -186,7 +192,7 @@ class Checkpoints:
                 return None
             step = common[-1]
             try:
-                restored = [w.manager.restore(step, w.island.abstract, w.island.shardings) for w in job.workers]
+                restored = job._each(lambda w: w.manager.restore(step, w.island.abstract, w.island.shardings))
                 ok = 1
             except checkpoint.CorruptCheckpoint as e:
                 log(f"warning: {e}")
@@ -273,9 +279,8 @@ class Job:
 
     def _fresh(self, log):
         if self.cfg.init_from:
-            raise ConfigError("config.init_from with config.hetero.islands: not supported yet; "
-                              "start the islands from config.seed")
-        return [w.island.create_state() for w in self.workers]
+            return self._each(lambda w: w.island.init_from(self.cfg.init_from))
+        return self._each(lambda w: w.island.create_state())
 
     def agree_steps(self, steps: list[int]) -> list[int]:
         """The checkpoint steps that every island holds."""
@@ -289,7 +294,8 @@ class Job:
         return sorted(common)
 
     def all_ok(self, ok: int, what: str) -> bool:
-        return bool(self._each(lambda w: w.links.gather(np.asarray([ok], np.int32), what, w.island.mesh))[0].min())
+        flags = self._each(lambda w: w.links.gather(np.asarray([ok], np.int32), what, w.island.mesh))
+        return bool(flags[0].min())
 
     # -- what the training loop calls ------------------------------------------------
 
@@ -300,6 +306,7 @@ class Job:
         self.step_count += 1
         self.stop_requested = bool(np.any([o[2] for o in out]))
         values = dict(out[0][1])
+        values["step_time"] = max(w.step_seconds for w in self.workers)
         for w in self.workers:
             values[f"{w.name}/step_time"] = w.step_seconds
             values[f"{w.name}/transfer_time"] = w.links.transfer_seconds

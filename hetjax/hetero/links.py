@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from hetjax.hetero import runtime
 from hetjax.transfer import TransferTimeout, open_endpoint
 
 
@@ -57,9 +58,9 @@ class Links:
             if settings is None:  # virtual: one process
                 self.endpoints[j] = open_endpoint(link, process_index=0)
                 continue
-            from hetjax.hetero import runtime
             number = pair_index(k, j, self.n)
-            host, port = runtime.split_address(runtime.link_address(settings, self.names[k], settings.process_id, number))
+            mine = runtime.link_address(settings, self.names[k], settings.process_id, number)
+            host, port = runtime.split_address(mine)
             self.endpoints[j] = open_endpoint(dataclasses.replace(link, bind_address=host, port=port))
             spec = cfg.hetero.islands[j]
             self.peers[j] = {p: (runtime.link_address(settings, self.names[j], p, number),)
@@ -94,16 +95,30 @@ class Links:
         every other island and receive theirs. *_layouts_of(j): island j's layouts of it."""
         sends = [(j, self.send(j, tree, what, dst_layouts_of(j))) for j in self.endpoints]
         recvs = {j: self.recv(j, what, like, src_layouts_of(j)) for j in self.endpoints}
-        out = [tree if j == self.k else self.wait(recvs[j], j) for j in range(self.n)]
+        try:
+            out = [tree if j == self.k else self.wait(recvs[j], j) for j in range(self.n)]
+        except IslandLost:
+            self.raise_failed_sends(sends)
+            raise
         for j, h in sends:
             self.wait(h, j)
         return out
+
+    def raise_failed_sends(self, sends) -> None:
+        """A receive that timed out may be our own send's fault: say so first."""
+        for j, h in sends:
+            if h.done() and h.future.exception() is not None:
+                raise h.future.exception()
 
     def gather(self, values, what: str, mesh) -> np.ndarray:
         """(islands, *values.shape) on the host: every island's small array `values`
         (replicated on each island), bits unchanged, in island order."""
         replicated = NamedSharding(mesh, PartitionSpec())
-        mine = jax.device_put(jnp.asarray(values), replicated)
+        if isinstance(values, jax.Array) and values.committed:  # already a global array of the island
+            mine = jax.device_put(values, replicated)
+        else:  # host values: every process of the island holds them (the same everywhere)
+            host = np.asarray(values)
+            mine = jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
         from hetjax.hetero.island import Geometry
 
         def layout(j):

@@ -56,18 +56,21 @@ class PipelineStage:
                 g, dx, l = stage_backward(graphdef, params, x, pick(batch, m), dy, first=first, last=last)
             return jax.tree.map(jnp.add, acc, g), (None if first else dx), loss + l
 
-        self.fwd = jax.jit(fwd, out_shardings=replicated if last else act)
-        self.bwd = jax.jit(bwd, out_shardings=(params_sh, None if first else act, replicated),
-                           donate_argnums=(1, 2))
-        self.zeros = jax.jit(lambda p: (jax.tree.map(jnp.zeros_like, p), jnp.zeros((), jnp.float32)),
-                             out_shardings=(params_sh, replicated))
-        self.count = jax.jit(lambda b: jnp.sum(b["loss_mask"].astype(jnp.float32)), out_shardings=replicated)
+        self.fwd = island.program(jax.jit(fwd, out_shardings=replicated if last else act))
+        self.bwd = island.program(jax.jit(bwd, out_shardings=(params_sh, None if first else act, replicated),
+                           donate_argnums=(1, 2)))
+        self.zeros = island.program(jax.jit(
+            lambda p: (jax.tree.map(jnp.zeros_like, p), jnp.zeros((), jnp.float32)),
+            out_shardings=(params_sh, replicated)))
+        self.count = island.program(jax.jit(lambda b: jnp.sum(b["loss_mask"].astype(jnp.float32)),
+                                            out_shardings=replicated))
         mask = island_lib.owned(island.abstract.params, k, n, self.tied)
-        self.sumsq = jax.jit(lambda g: sum_of_squares(g, mask), out_shardings=replicated)
-        self.apply = jax.jit(make_apply(cfg, island.tx), donate_argnums=0,
-                             out_shardings=(island.shardings, replicated))
+        self.sumsq = island.program(jax.jit(lambda g: sum_of_squares(g, mask), out_shardings=replicated))
+        self.apply = island.program(jax.jit(make_apply(cfg, island.tx), donate_argnums=0,
+                             out_shardings=(island.shardings, replicated)))
         self.shared = island_lib.shared(island.abstract.params, n, self.tied)
-        self._add = jax.jit(lambda parts: jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts))
+        self._add = island.program(jax.jit(
+            lambda parts: jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts)))
 
     # -- one pass of the schedule -------------------------------------------------
 

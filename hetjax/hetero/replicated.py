@@ -33,14 +33,14 @@ class DataShare:
             grad_fn = step.make_grad_fn(isl.graphdef, isl.mesh, isl.rules, isl.cfg.optim.grad_accum_steps)
         else:
             grad_fn = pipeline.spmd.make_grad_fn(isl.graphdef, isl.mesh, isl.rules, isl.plan)
-        self.grads = jax.jit(grad_fn, out_shardings=(replicated, replicated, params_sh))
-        self.eval = jax.jit(pipeline.eval_step_fn(isl.icfg, isl.graphdef, isl.mesh, isl.plan),
-                            out_shardings=replicated)
-        self.add = jax.jit(lambda parts: jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts),
-                           out_shardings=params_sh)
-        self.sumsq = jax.jit(sum_of_squares, out_shardings=replicated)
-        self.apply = jax.jit(make_apply(isl.cfg, isl.tx), donate_argnums=0,
-                             out_shardings=(isl.shardings, replicated))
+        self.grads = island.program(jax.jit(grad_fn, out_shardings=(replicated, replicated, params_sh)))
+        self.eval = island.program(jax.jit(pipeline.eval_step_fn(isl.icfg, isl.graphdef, isl.mesh, isl.plan),
+                            out_shardings=replicated))
+        self.add = island.program(jax.jit(lambda parts: jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts),
+                           out_shardings=params_sh))
+        self.sumsq = island.program(jax.jit(sum_of_squares, out_shardings=replicated))
+        self.apply = island.program(jax.jit(make_apply(isl.cfg, isl.tx), donate_argnums=0,
+                             out_shardings=(isl.shardings, replicated)))
         self.like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                  isl.abstract.params, params_sh)
         self.layouts = [island_lib.remote_layouts(isl.cfg, j, param_specs(isl.cfg, j))

@@ -1,0 +1,206 @@
+"""Islands (hetjax/hetero) in virtual mode: a job split over islands trains exactly
+like the same job on one island (losses within 1e-5 relative), and data-parallel
+islands hold bitwise-identical parameters."""
+
+import json
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from hetjax import checkpoint, train
+from hetjax.config import (ConfigError, HeteroConfig, IslandConfig, LinkConfig, MeshConfig, load,
+                           validate)
+from hetjax.hetero import job as job_lib
+from hetjax.hetero import placement
+from hetjax.hetero.links import IslandLost, Links
+
+STEPS = 10
+
+
+def write_config(tmp_path, name, body):
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent('''
+        import dataclasses
+        from hetjax.config import *
+        from configs import tiny
+
+        def get_config():
+            cfg = tiny.get_config()
+    ''') + textwrap.indent(textwrap.dedent(body), "    "))
+    return path
+
+
+def losses(tmp_path, config, run, *overrides):
+    run_dir = tmp_path / run
+    code = train.main(["--config", str(config), f"--config.run_dir={run_dir}", f"--config.steps={STEPS}",
+                       "--config.eval_every=0", "--config.log_every=100", "--config.tensorboard=False",
+                       "--config.checkpoint.async_save=False", *overrides])
+    assert code == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return np.array([r["loss"] for r in rows if "loss" in r]), run_dir
+
+
+def assert_close(got, want):
+    assert got.shape == want.shape == (STEPS,)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+    assert want[-1] < want[0]  # it trained
+
+
+def test_pipeline_islands_train_like_one_island(tmp_path):
+    # 1F1B over two islands with three layers split 2 + 1, tensor parallelism inside
+    # the first island and tied embeddings (the first and the last island both hold
+    # the embedding and add its gradients).
+    config = write_config(tmp_path, "islands", '''
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=3, tie_embeddings=True))
+        islands = (IslandConfig(name="cuda", platform="cuda", devices_per_process=2,
+                                mesh=MeshConfig(fsdp=1, tensor=2), speed=2.0),
+                   IslandConfig(name="rocm", platform="rocm", devices_per_process=2, mesh=MeshConfig(fsdp=2)))
+        return dataclasses.replace(cfg, hetero=HeteroConfig(islands=islands),
+                                   pipeline=PipelineConfig(schedule="1f1b", microbatches=4))
+    ''')
+    assert placement.island_layers(load(str(config))) == (2, 1)
+    islands, _ = losses(tmp_path, config, "islands")
+    one, _ = losses(tmp_path, "tiny.py", "one", "--config.mesh.pipeline=2", "--config.pipeline.schedule=1f1b",
+                    "--config.pipeline.stage_layers=(2,1)", "--config.model.num_layers=3",
+                    "--config.model.tie_embeddings=True")
+    assert_close(islands, one)
+
+
+DATA_CASES = {
+    "even": ('''
+        islands = (IslandConfig(name="cuda", devices_per_process=2, mesh=MeshConfig(data=2, fsdp=1)),
+                   IslandConfig(name="rocm", devices_per_process=2, mesh=MeshConfig(fsdp=2)))
+        return dataclasses.replace(cfg, hetero=HeteroConfig(islands=islands, placement="data",
+                                                            fingerprint_every=3))
+    ''', (8, 8)),
+    # 1:3 speeds; the faster island runs its own two-stage pipeline inside.
+    "uneven-pipeline-inside": ('''
+        islands = (IslandConfig(name="cuda", devices_per_process=2, mesh=MeshConfig(fsdp=2), speed=1.0),
+                   IslandConfig(name="rocm", devices_per_process=2, mesh=MeshConfig(pipeline=2, fsdp=1), speed=3.0))
+        return dataclasses.replace(cfg, hetero=HeteroConfig(islands=islands, placement="data",
+                                                            fingerprint_every=3),
+                                   pipeline=PipelineConfig(schedule="1f1b", microbatches=2))
+    ''', (4, 12)),
+}
+
+
+@pytest.fixture(scope="module")
+def one_island_data_parallel(tmp_path_factory):
+    return losses(tmp_path_factory.mktemp("one"), "tiny.py", "one", "--config.mesh.data=8",
+                  "--config.mesh.fsdp=1")[0]
+
+
+@pytest.mark.parametrize("case", sorted(DATA_CASES))
+def test_data_islands_train_like_one_island_with_identical_parameters(tmp_path, case, one_island_data_parallel):
+    body, shares = DATA_CASES[case]
+    config = write_config(tmp_path, "islands", body)
+    cfg = load(str(config))
+    assert tuple(n for _, n in placement.batch_shares(cfg)) == shares
+    islands, run_dir = losses(tmp_path, config, "islands")
+    assert_close(islands, one_island_data_parallel)
+    prints = set()
+    for name in ("cuda", "rocm"):
+        manager = checkpoint.Manager(run_dir / "checkpoints" / name)
+        prints.add(manager.read_json(STEPS, "meta").meta["params_fingerprint"])
+        manager.close()
+    assert len(prints) == 1  # bit for bit the same parameters on both islands
+
+
+def test_placement_splits_in_proportion_to_speed():
+    assert placement.proportional(8, [1, 1]) == (4, 4)
+    assert placement.proportional(32, [1, 3]) == (8, 24)
+    assert placement.proportional(5, [1, 100]) == (1, 4)  # every island keeps at least one
+    assert placement.proportional(16, [1, 1], units=[2, 4]) == (8, 8)
+    assert placement.proportional(16, [1, 2.9], units=[2, 4]) == (4, 12)
+    with pytest.raises(ConfigError, match="cannot be split"):
+        placement.proportional(6, [1, 1], units=[4, 4])
+
+
+def tiny_islands(**hetero):
+    cfg = load("tiny.py")
+    islands = (IslandConfig(name="a", devices_per_process=2, mesh=MeshConfig(fsdp=2)),
+               IslandConfig(name="b", devices_per_process=2, mesh=MeshConfig(fsdp=2)))
+    return cfg.__class__(**{**cfg.__dict__, "hetero": HeteroConfig(**{"islands": islands, **hetero})})
+
+
+@pytest.mark.parametrize("hetero, match", [
+    ({"placement": "ring"}, "placement='ring'"),
+    ({"island_layers": (2, 1)}, "island_layers=\\(2, 1\\)"),
+    ({"link": LinkConfig(backend="host")}, "virtual islands share one process"),
+    ({"islands": (IslandConfig(name="a", devices_per_process=2, mesh=MeshConfig(fsdp=4)),
+                  IslandConfig(name="b"))}, "islands\\[0\\].mesh"),
+    ({"islands": (IslandConfig(name="a"), IslandConfig(name="a"))}, "used twice"),
+    ({"islands": (IslandConfig(name="a", mesh=MeshConfig(pipeline=1)),
+                  IslandConfig(name="b", devices_per_process=2, mesh=MeshConfig(pipeline=2, fsdp=1)))},
+     "islands are the stages"),
+])
+def test_bad_island_configs_are_refused_naming_the_field(hetero, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(tiny_islands(**hetero))
+
+
+def test_islands_whose_configs_disagree_name_the_difference():
+    a = tiny_islands()
+    b = a.__class__(**{**a.__dict__, "seed": 7})
+    b = b.__class__(**{**b.__dict__, "model": b.model.__class__(**{**b.model.__dict__, "embed_dim": 32})})
+    diff = job_lib.differences(json.loads(json.dumps(job_lib.agreed(a))), json.loads(json.dumps(job_lib.agreed(b))))
+    assert diff == ["config.model.embed_dim: 64 vs 32", "config.seed: 0 vs 7"]
+    # Where each process runs (compile profile, run directory) may differ.
+    c = a.__class__(**{**a.__dict__, "run_dir": "elsewhere"})
+    assert job_lib.differences(job_lib.agreed(a), job_lib.agreed(c)) == []
+
+
+def test_a_silent_island_is_a_timeout_naming_it():
+    cfg = tiny_islands(link=LinkConfig(backend="local", timeout_s=0.5))
+    links = Links(cfg, 0)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1),
+                             ("pipeline", "data", "fsdp", "tensor"))
+    with pytest.raises(IslandLost, match="island b \\(rank 0\\) stopped answering island a"):
+        links.gather(np.zeros(2, np.float32), "never-sent", mesh)
+
+
+def test_llama8b_hetero_describes_a_job_each_island_can_hold():
+    from hetjax import sharding
+    from hetjax.hetero.island import Geometry
+    cfg = load("llama8b_hetero.py")
+    validate(cfg)
+    split = placement.island_layers(cfg)
+    assert sum(split) == 32 and split[1] > split[0]  # the faster island holds more layers
+    for spec, layers in zip(cfg.hetero.islands, split):
+        mesh = Geometry.of(spec, virtual=False).abstract_mesh()
+        assert dict(mesh.shape)["fsdp"] == 8
+        sharding.check_divisible({**cfg.model.dims(), "layers": ("", layers)}, cfg.sharding.rules, mesh)
+
+
+def test_auto_split_times_a_layer_on_each_island_and_balances_by_it():
+    from hetjax.hetero.island import Geometry, make_mesh
+    from hetjax.hetero.profile import seconds_per_layer
+    cfg = tiny_islands(auto_split=True)
+    validate(cfg)
+    mesh = make_mesh(Geometry.of(cfg.hetero.islands[0], True), jax.devices()[:2])
+    t = seconds_per_layer(cfg, mesh, repeats=2)
+    assert 0 < t < 10
+    # An island twice as slow per layer gets half as many layers.
+    speeds = placement.balance([2 * t, t])
+    assert placement.island_layers(cfg.__class__(**{**cfg.__dict__, "model": cfg.model.__class__(
+        **{**cfg.model.__dict__, "num_layers": 6})}), speeds) == (2, 4)
+
+
+def test_islands_start_from_a_one_island_checkpoint(tmp_path):
+    # Weights saved by a one-island run at step 2, loaded by islands that then train on
+    # batch 2: the loss at step 2 is the one-island run's (same weights, same batch).
+    one, one_dir = losses(tmp_path, "tiny.py", "one", "--config.checkpoint.every=2", "--config.steps=3")
+    config = write_config(tmp_path, "islands", '''
+        islands = (IslandConfig(name="a", devices_per_process=2, mesh=MeshConfig(fsdp=2)),
+                   IslandConfig(name="b", devices_per_process=1, mesh=MeshConfig(fsdp=1)))
+        return dataclasses.replace(cfg, hetero=HeteroConfig(islands=islands))
+    ''')
+    run_dir = tmp_path / "islands"
+    assert train.main(["--config", str(config), f"--config.run_dir={run_dir}", "--config.steps=3",
+                       "--config.data.start_step=2", f"--config.init_from={one_dir}/checkpoints/2",
+                       "--config.eval_every=0", "--config.tensorboard=False"]) == 0
+    row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["step"] == 2
+    np.testing.assert_allclose(row["loss"], one[2], rtol=1e-5)
