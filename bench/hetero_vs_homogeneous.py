@@ -79,8 +79,7 @@ def main(argv: list[str]) -> int:
     # A first step waits for its peer's compile: on a busy machine that outlasts the default.
     overrides.setdefault("hetero.link.timeout_s", "600")
     overrides.update({"steps": str(opts["steps"]), "eval_every": "0", "tensorboard": "False",
-                      "checkpoint.every": "0", "log_every": str(opts["steps"]),
-                      "compile.cache_dir": str(work / "jax_cache")})
+                      "checkpoint.every": "0", "log_every": str(opts["steps"])})
     cfg = config_lib.load(config, overrides)
     config_lib.validate(cfg)
     installed, _ = backend.detect()
@@ -91,8 +90,10 @@ def main(argv: list[str]) -> int:
           f"{opts['steps']} steps, timing those after the first {opts['skip']}; logs in {work}", flush=True)
 
     one = work / "one_island"
-    args = [f"--config.{k}={v}" for k, v in {**overrides, **one_island_overrides(cfg),
-                                               "run_dir": str(one)}.items()]
+    # Each run compiles afresh into its own cache (a direct run after a host run of the same
+    # programs, from a warm cache, stalled its first transfer here: see the README).
+    args = [f"--config.{k}={v}" for k, v in {**overrides, **one_island_overrides(cfg), "run_dir": str(one),
+                                               "compile.cache_dir": str(work / "cache_one")}.items()]
     with open(work / "one_island.log", "w") as log:
         code = subprocess.call([sys.executable, "-m", "hetjax.train", "--config", config, *args],
                                stdout=log, stderr=subprocess.STDOUT, env=local.device_env(installed, total))
@@ -106,8 +107,9 @@ def main(argv: list[str]) -> int:
     for name in BACKENDS:
         run_dir = work / f"two_islands_{name}"
         with open(work / f"two_islands_{name}.log", "w") as log:
-            code = local.run(config, {**overrides, "run_dir": str(run_dir)}, stand_in=stand_in, backend=name,
-                             out=log)
+            code = local.run(config, {**overrides, "run_dir": str(run_dir),
+                                      "compile.cache_dir": str(work / f"cache_{name}")},
+                             stand_in=stand_in, backend=name, out=log)
         if code:
             print(f"the two-island run over {name} failed ({code}); see {run_dir / 'logs'}")
             return code
