@@ -238,7 +238,7 @@ class Manager:
                 return self.restore(step, abstract_state, shardings)
             except CorruptCheckpoint as e:
                 log(f"warning: {e}")
-                self._move_aside(step, log)
+                self.move_aside(step, log)
         return None
 
     def restore(self, step: int, abstract_state: TrainState, shardings: TrainState) -> Restored:
@@ -284,14 +284,18 @@ class Manager:
         except Exception as e:
             raise CorruptCheckpoint(f"{where}: cannot read the metadata of {item!r} ({e})") from e
 
-    def _move_aside(self, step: int, log) -> None:
-        if jax.process_index() != 0:
-            return
-        src = self.directory / str(step)
-        dst = self.directory.parent / CORRUPT_DIR / f"{self.directory.name}-{step}-{int(time.time())}"
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        src.rename(dst)
-        log(f"warning: moved the damaged checkpoint to {dst} (nothing was deleted)")
+    def move_aside(self, step: int, log, why: str = "damaged") -> None:
+        """Moves checkpoint `step` out of the way (into corrupt/, never deleted). Every
+        process calls it; process 0 moves, and all see the change before going on."""
+        if jax.process_index() == 0:
+            src = self.directory / str(step)
+            dst = self.directory.parent / CORRUPT_DIR / f"{self.directory.name}-{step}-{int(time.time())}"
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            src.rename(dst)
+            log(f"warning: moved the {why} checkpoint to {dst} (nothing was deleted)")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"hetjax checkpoint {step} moved aside")
         self._manager.reload()
 
 

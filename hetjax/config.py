@@ -251,7 +251,7 @@ class HeteroConfig:
     links: tuple = ()  # ... or one LinkConfig per neighbouring pair (island i, i+1)
     virtual: bool = True  # every island in this process, on a partition of its devices
     fingerprint_every: int = 10  # data placement: check islands hold identical parameters
-    timeout_s: float = 120.0  # a peer island silent this long stops the job
+    timeout_s: float = 120.0  # an island's own jax.distributed start, heartbeat and shutdown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,6 +280,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     init_from: str = ""  # start a new run from these saved weights (fresh optimizer, step 0)
     hetero: HeteroConfig = HeteroConfig()
+    fingerprint_every: int = 50  # parameter digest + norms every N steps (hetjax.repro); 0: first and last only
 
 
 # ---------------------------------------------------------------------------
@@ -443,6 +444,9 @@ def validate(cfg: Config) -> None:
     _validate_data(cfg)
     _validate_checkpoint(cfg.checkpoint)
     _validate_hetero(cfg)
+    if cfg.fingerprint_every < 0:
+        raise ConfigError(f"config.fingerprint_every={cfg.fingerprint_every}: use 0 (first and last "
+                          f"step only) or a positive step count")
 
 
 DATA_SOURCES = ("synthetic", "text", "jsonl", "array_record")
@@ -475,6 +479,19 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
         raise ConfigError(f"config.checkpoint.keep={c.keep}: keep at least 1 checkpoint, or resume is impossible")
 
 
+def island_mesh_sizes(island: IslandConfig) -> dict[str, int] | None:
+    """The island's mesh axis sizes with -1 resolved; None if they cannot fill its devices."""
+    devices = island.num_processes * island.devices_per_process
+    sizes = {a: getattr(island.mesh, a) for a in MESH_AXES}
+    known = math.prod(s for s in sizes.values() if s != -1)
+    wild = [a for a, s in sizes.items() if s == -1]
+    if len(wild) > 1 or any(s == 0 or s < -1 for s in sizes.values()) or devices % known:
+        return None
+    if wild:
+        sizes[wild[0]] = devices // known
+    return sizes if math.prod(sizes.values()) == devices else None
+
+
 PLACEMENTS = ("pipeline", "data")
 PLATFORMS = ("cpu", "cuda", "rocm")
 
@@ -501,15 +518,17 @@ def _validate_hetero(cfg: Config) -> None:
                 raise ConfigError(f"{where}.{key}={getattr(island, key)!r}: must be a positive integer")
         if not island.speed > 0:
             raise ConfigError(f"{where}.speed={island.speed!r}: must be positive (a relative throughput)")
-        devices = island.num_processes * island.devices_per_process
-        sizes = [getattr(island.mesh, a) for a in MESH_AXES]
-        known = math.prod(s for s in sizes if s != -1)
-        if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes) or (
-                devices % known if -1 in sizes else known != devices):
+        if island_mesh_sizes(island) is None:
+            devices = island.num_processes * island.devices_per_process
             raise ConfigError(
                 f"{where}.mesh={island.mesh} does not fit the island's {island.num_processes} x "
                 f"{island.devices_per_process} = {devices} devices; make the sizes multiply to "
                 f"{devices} (one may be -1)")
+        if h.placement == "data" and island.mesh.pipeline != 1:
+            try:  # the island runs its own pipeline: the same rules as config.mesh.pipeline's
+                _validate_pipeline(dataclasses.replace(cfg, mesh=island.mesh))
+            except ConfigError as e:
+                raise ConfigError(f"{where}.mesh.pipeline={island.mesh.pipeline}: {e}") from None
     if h.placement not in PLACEMENTS:
         raise ConfigError(f"config.hetero.placement={h.placement!r}: choose one of {PLACEMENTS}")
     if cfg.mesh.pipeline not in (1, -1):
@@ -533,6 +552,20 @@ def _validate_hetero(cfg: Config) -> None:
             raise ConfigError(
                 f"config.hetero.island_layers={h.island_layers}: give one layer count >= 1 per "
                 f"island ({n}) adding up to config.model.num_layers={cfg.model.num_layers}")
+        if cfg.optim.grad_accum_steps != 1 or cfg.pipeline.stage_layers:
+            raise ConfigError(
+                f"config.optim.grad_accum_steps={cfg.optim.grad_accum_steps} / config.pipeline."
+                f"stage_layers={cfg.pipeline.stage_layers} with placement='pipeline': the islands are "
+                f"the stages; set config.pipeline.microbatches and config.hetero.island_layers instead")
+        rows = cfg.batch_size // max(cfg.pipeline.microbatches, 1)
+        for k, island in enumerate(h.islands):
+            sizes = island_mesh_sizes(island)
+            if rows % (sizes["data"] * sizes["fsdp"]):
+                raise ConfigError(
+                    f"a micro-batch of config.batch_size/config.pipeline.microbatches = {rows} rows does "
+                    f"not split over config.hetero.islands[{k}]'s data x fsdp = "
+                    f"{sizes['data'] * sizes['fsdp']} devices; raise config.batch_size or lower "
+                    f"config.pipeline.microbatches")
         if cfg.model.num_layers < n:
             raise ConfigError(f"config.model.num_layers={cfg.model.num_layers} is fewer than the {n} "
                               f"islands of placement='pipeline'; every island needs a layer")
@@ -549,8 +582,11 @@ def _validate_hetero(cfg: Config) -> None:
     if h.links and len(h.links) != n - 1:
         raise ConfigError(f"config.hetero.links has {len(h.links)} entries for {n} islands: give one "
                           f"LinkConfig per neighbouring pair ({n - 1}), or set config.hetero.link for all")
-    for k, link in enumerate(h.links or (h.link,)):
-        where = f"config.hetero.links[{k}]" if h.links else "config.hetero.link"
+    # Neighbours use links[k]; every other pair (and every pair without `links`) uses `link`.
+    checked = [(f"config.hetero.links[{k}]", link) for k, link in enumerate(h.links)]
+    if not h.links or n > 2:
+        checked.append(("config.hetero.link", h.link))
+    for where, link in checked:
         if not isinstance(link, LinkConfig):
             raise ConfigError(f"{where}={link!r}: give a LinkConfig(backend=...)")
         link.validate(where)
@@ -564,9 +600,12 @@ def _validate_hetero(cfg: Config) -> None:
     if h.placement == "data" and len(set(h.links)) > 1:
         raise ConfigError("config.hetero.links: with placement='data' every island talks to every "
                           "other one; set one config.hetero.link")
-    for key in ("fingerprint_every",):
-        if getattr(h, key) < 0:
-            raise ConfigError(f"config.hetero.{key}={getattr(h, key)}: use 0 (off) or a positive step count")
+    if h.fingerprint_every < 0:
+        raise ConfigError(f"config.hetero.fingerprint_every={h.fingerprint_every}: use 0 (off) or a "
+                          f"positive step count")
+    if cfg.checkpoint.keep < 2:
+        raise ConfigError(f"config.checkpoint.keep={cfg.checkpoint.keep} with islands: keep at least 2, "
+                          f"so that a step every island finished survives one island dying mid-save")
     if not h.timeout_s > 0:
         raise ConfigError(f"config.hetero.timeout_s={h.timeout_s}: must be positive (seconds)")
 

@@ -89,14 +89,14 @@ class Writer:
             self.bar.close()
 
 
-def truncate(run_dir: Path, start: int) -> None:
-    """Prepares metrics.jsonl for a run resumed at step `start`.
+def truncate(run_dir: Path, start: int, name: str = "metrics.jsonl") -> None:
+    """Prepares metrics.jsonl (or another per-step JSONL file) for a run resumed at step `start`.
 
     Rows of steps >= start (written after the checkpoint, before the process died)
     will be computed again, bit for bit, so they move to metrics.superseded.jsonl,
     as does a torn last line; every row before `start` stays where it was.
     """
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / name
     if not path.exists():
         return
     keep, moved = [], []
@@ -108,7 +108,7 @@ def truncate(run_dir: Path, start: int) -> None:
             row, complete = None, False
         (keep if complete and row["step"] < start else moved).append(line if line.endswith("\n") else line + "\n")
     if moved:
-        with open(run_dir / "metrics.superseded.jsonl", "a") as f:
+        with open(path.with_suffix(".superseded.jsonl"), "a") as f:
             f.writelines(moved)
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(keep))

@@ -8,7 +8,7 @@ import math
 import time
 from pathlib import Path
 
-from hetjax import checkpoint, memory, metrics, pipeline, sharding
+from hetjax import checkpoint, memory, metrics, pipeline, repro, sharding
 from hetjax.compile import aot
 from hetjax.mesh import describe, make_mesh
 
@@ -16,8 +16,11 @@ from hetjax.mesh import describe, make_mesh
 class Job:
     """Builds (abstractly first), compiles, and restores or initialises the state."""
 
+    writes_fingerprints = None  # process 0 writes (hetjax.repro.Recorder)
+
     def __init__(self, cfg, dataset, compile_only: bool = False, log=print):
         self.cfg, self.dataset = cfg, dataset
+        self._batch_words: dict = {}
         # Everything below up to create_state is abstract: no parameter is allocated.
         mesh = make_mesh(cfg.mesh)
         prog = aot.program(cfg, mesh)  # checks that the model splits over the mesh
@@ -32,6 +35,7 @@ class Job:
             f"needs {estimate.describe()}")
         if plan is not None:
             log(plan.describe())
+        self.mesh, self.plan = mesh, plan
         if not compile_only:
             memory.check_fits(cfg, estimate, mesh)
 
@@ -72,6 +76,16 @@ class Job:
 
     def eval_sums(self, state, i: int) -> dict:
         return self.eval_step(state.params, self.dataset.eval_batch(i, self.batch_shardings))
+
+    def digest_batch(self, step: int, batch) -> None:
+        """Starts the fingerprint of step `step`'s global batch (hetjax.repro)."""
+        self._batch_words[step] = repro.batch_words(batch)
+
+    def batch_digest(self, step: int) -> int:
+        return repro.combine_rows(self._batch_words.pop(step))
+
+    def param_fingerprint(self, state) -> repro.ParamFingerprint:
+        return repro.param_fingerprint(state.params, layout=None if self.plan is None else self.plan.layout)
 
     def check_identical(self, state, step: int) -> None:
         """One mesh holds one copy of the parameters: nothing to compare."""

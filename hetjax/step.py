@@ -36,7 +36,8 @@ def loss_sums_of_logits(logits, batch):
     return jnp.sum(token_loss * mask), jnp.sum(mask)
 
 
-def _split_micro(x, n):
+def split_micro(x, n):
+    """(B, ...) -> (n, B/n, ...): n micro-batches of a batch."""
     # Micro-batch i takes rows i, i+n, i+2n, ...: every data shard keeps an equal
     # part of each micro-batch, so no micro-batch sits on a subset of devices.
     x = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
@@ -65,7 +66,7 @@ def make_grad_fn(graphdef, mesh: Mesh, rules, grad_accum_steps: int = 1):
             if grad_accum_steps == 1:
                 (loss_sum, count), grads = grad_fn(params, graphdef, batch)
                 return loss_sum, count, grads
-            micro = jax.tree.map(lambda x: _split_micro(x, grad_accum_steps), batch)
+            micro = jax.tree.map(lambda x: split_micro(x, grad_accum_steps), batch)
 
             def accumulate(carry, mb):
                 (l, c), g = grad_fn(params, graphdef, mb)

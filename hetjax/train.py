@@ -18,7 +18,7 @@ import numpy as np
 
 from hetjax import checkpoint
 from hetjax import config as config_lib
-from hetjax import data, memory, metrics, single
+from hetjax import data, memory, metrics, repro, single
 from hetjax.compile import aot, backend
 from hetjax.hetero import job as hetero_job
 
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     config_lib.save(cfg, run_dir / "config.json")
     metrics.truncate(run_dir, start)
     writer = metrics.Writer(run_dir, cfg.steps, cfg.tensorboard)
+    recorder = repro.Recorder(run_dir, cfg, job.mesh, None, start, write=job.writes_fingerprints)
     last_finite, clock = -1, time.perf_counter()
 
     def report(s, step_metrics):
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if dataset.floor is not None:
             values["above_floor"] = values["loss"] - dataset.floor
         writer.write(s, values, echo=s % cfg.log_every == 0 or s == cfg.steps - 1)
+        recorder.step(s, values, job.batch_digest(s))  # fingerprints.jsonl (hetjax/repro)
 
     def evaluate(s):
         nonlocal clock
@@ -112,8 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: job.preempted.append(True))
     try:
         previous = None
+        if recorder.due(start):
+            recorder.write_params(start, job.param_fingerprint(state))
         for s in range(start, cfg.steps):
-            state, step_metrics = job.train_step(state, next(batches))
+            batch = next(batches)
+            job.digest_batch(s, batch)
+            state, step_metrics = job.train_step(state, batch)
+            if recorder.due(s + 1):
+                recorder.write_params(s + 1, job.param_fingerprint(state))
             # Read the previous step's metrics only now, so the device is never idle
             # waiting for the host.
             flush()
@@ -138,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         batches.close()
         signal.signal(signal.SIGTERM, previous_handler)
         writer.close()
+        recorder.close()
         ckpt.close()
         job.close()
     print(f"done: {cfg.steps} steps; metrics in {run_dir / 'metrics.jsonl'}", flush=True)

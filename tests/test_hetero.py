@@ -118,8 +118,8 @@ def test_placement_splits_in_proportion_to_speed():
         placement.proportional(6, [1, 1], units=[4, 4])
 
 
-def tiny_islands(**hetero):
-    cfg = load("tiny.py")
+def tiny_islands(overrides=(), **hetero):
+    cfg = load("tiny.py", dict(overrides))
     islands = (IslandConfig(name="a", devices_per_process=2, mesh=MeshConfig(fsdp=2)),
                IslandConfig(name="b", devices_per_process=2, mesh=MeshConfig(fsdp=2)))
     return cfg.__class__(**{**cfg.__dict__, "hetero": HeteroConfig(**{"islands": islands, **hetero})})
@@ -141,6 +141,19 @@ def test_bad_island_configs_are_refused_naming_the_field(hetero, match):
         validate(tiny_islands(**hetero))
 
 
+@pytest.mark.parametrize("overrides, hetero, match", [
+    ({"pipeline.microbatches": "16"}, {}, "a micro-batch of .* = 1 rows does not split over .*islands\\[0\\]"),
+    ({"optim.grad_accum_steps": "2"}, {}, "grad_accum_steps=2 .* the islands are the stages"),
+    ({"checkpoint.keep": "1"}, {}, "checkpoint.keep=1 with islands"),
+    ({"pipeline.microbatches": "1"}, {"placement": "data", "islands": (
+        IslandConfig(name="a", devices_per_process=2, mesh=MeshConfig(pipeline=2, fsdp=1)), IslandConfig(name="b"))},
+     "islands\\[0\\].mesh.pipeline=2: config.pipeline.microbatches=1 is smaller"),
+])
+def test_bad_job_settings_for_islands_are_refused_naming_the_field(overrides, hetero, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(tiny_islands(overrides, **hetero))
+
+
 def test_islands_whose_configs_disagree_name_the_difference():
     a = tiny_islands()
     b = a.__class__(**{**a.__dict__, "seed": 7})
@@ -157,7 +170,7 @@ def test_a_silent_island_is_a_timeout_naming_it():
     links = Links(cfg, 0)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1),
                              ("pipeline", "data", "fsdp", "tensor"))
-    with pytest.raises(IslandLost, match="island b \\(rank 0\\) stopped answering island a"):
+    with pytest.raises(IslandLost, match="island b \\(rank 0; .*\\) stopped answering island a"):
         links.gather(np.zeros(2, np.float32), "never-sent", mesh)
 
 
@@ -204,3 +217,9 @@ def test_islands_start_from_a_one_island_checkpoint(tmp_path):
     row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert row["step"] == 2
     np.testing.assert_allclose(row["loss"], one[2], rtol=1e-5)
+
+
+def test_an_island_too_small_for_its_part_is_refused_before_allocating(tmp_path):
+    with pytest.raises(ConfigError, match="island cuda \\(config.hetero.islands\\[0\\]\\): .* needs about"):
+        train.main(["--config", "tiny_hetero.py", f"--config.run_dir={tmp_path}", "--config.device_memory_gib=1e-5"])
+    assert not (tmp_path / "checkpoints").exists()

@@ -27,12 +27,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from hetjax import sharding, step
+from hetjax import checkpoint, memory, optim, pipeline, sharding, step
 from hetjax import state as state_lib
 from hetjax.config import MESH_AXES, ConfigError, IslandConfig
 from hetjax.hetero import placement
 from hetjax.mesh import resolve_shape
-from hetjax.pipeline.stages import BLOCKS
+from hetjax.pipeline.stages import BLOCKS, to_stages
 from hetjax.transfer.plan import Layout
 
 ACTIVATION = ("batch", "length", "embed")
@@ -64,6 +64,11 @@ class Geometry:
         return jax.sharding.AbstractMesh(self.shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def geometry(cfg, k: int) -> Geometry:
+    """Island k's Geometry, from the config alone."""
+    return Geometry.of(cfg.hetero.islands[k], cfg.hetero.virtual)
+
+
 def make_mesh(geometry: Geometry, devices) -> Mesh:
     """The island's Mesh over `devices`, in the (process, id) order Geometry assumes."""
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
@@ -89,7 +94,8 @@ def island_config(cfg, k: int):
 # Which parameters an island holds (pipeline placement).
 
 
-def _top(path) -> str:
+def top_name(path) -> str:
+    """The top-level parameter name of a key path (blocks, embed_VD, ...)."""
     key = path[0]
     return str(getattr(key, "key", getattr(key, "name", key)))
 
@@ -113,22 +119,22 @@ def part(params, k: int, n: int, layers: tuple[int, int], tied: bool):
     start, stop = layers
 
     def other(path, x):
-        return x if uses(_top(path), k, n, tied) else jnp.zeros((1,) * x.ndim, x.dtype)
+        return x if uses(top_name(path), k, n, tied) else jnp.zeros((1,) * x.ndim, x.dtype)
 
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: x[start:stop] if _top(p) == BLOCKS else other(p, x), params)
+        lambda p, x: x[start:stop] if top_name(p) == BLOCKS else other(p, x), params)
 
 
 def owned(params, k: int, n: int, tied: bool):
     """A mask tree: True where island k is the one that counts this leaf in the
     gradient norm (blocks always; a shared leaf only on its first holder)."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: _top(p) == BLOCKS or holders(_top(p), n, tied)[0] == k, params)
+        lambda p, x: top_name(p) == BLOCKS or holders(top_name(p), n, tied)[0] == k, params)
 
 
 def shared(params, n: int, tied: bool) -> list[str]:
     """The top-level names of leaves that several islands hold (a tied embedding)."""
-    names = {_top(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]} - {BLOCKS}
+    names = {top_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]} - {BLOCKS}
     return sorted(name for name in names if len(holders(name, n, tied)) > 1)
 
 
@@ -154,6 +160,7 @@ class Island:
     layers: tuple[int, int] | None = None  # pipeline placement
     rows: tuple[int, int] | None = None  # data placement
     plan: object = None  # the island's own pipeline (data placement, mesh.pipeline > 1)
+    memory: object = None  # hetjax.memory's estimate for the island's part
 
     @property
     def name(self) -> str:
@@ -177,7 +184,8 @@ class Island:
         mesh = " x ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
         spec = self.geometry.spec
         return (f"island {self.name} ({spec.platform}, {spec.num_processes} x {spec.devices_per_process} "
-                f"{self.mesh.devices.flat[0].device_kind}): mesh {mesh}; {where}")
+                f"{self.mesh.devices.flat[0].device_kind}): mesh {mesh}; {where}; needs "
+                f"{self.memory.describe()}")
 
     def program(self, fn):
         """fn (a jitted program) as this island calls it. On CPU, an island of several
@@ -187,6 +195,22 @@ class Island:
         if self.geometry.spec.num_processes > 1 and self.mesh.devices.flat[0].platform == "cpu":
             return lambda *args: jax.block_until_ready(fn(*args))
         return fn
+
+    def compile(self, fn, *abstract_args, **jit_kwargs):
+        """fn jitted, lowered for abstract arguments and compiled now, before the job's first
+        exchange (a peer never waits mid-step on this island's compiler), as program() calls it."""
+        return self.program(jax.jit(fn, **jit_kwargs).lower(*abstract_args).compile())
+
+    def put(self, value) -> jax.Array:
+        """A small host value as a replicated array of the island (every process holds it)."""
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, self.replicated(), lambda index: host[index])
+
+    def like(self, shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding or self.replicated())
+
+    def abstract_batch(self) -> dict:
+        return step.abstract_batch(self.icfg.batch_size, self.cfg.seq_len, self.batch_shardings)
 
     def activation_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, sharding.spec_for(ACTIVATION, self.rules))
@@ -201,7 +225,6 @@ class Island:
     def init_from(self, path: str) -> state_lib.TrainState:
         """The island's part of saved weights (config.init_from: a one-island run's
         checkpoint or an imported Hugging Face model), with a fresh optimizer."""
-        from hetjax import checkpoint
         _, whole = state_lib.abstract_state(self.cfg.model, self.cfg.seed, self.tx)
         shardings = state_lib.state_shardings(whole.params, self.mesh, self.rules)
         params = checkpoint.load_params(path, whole.params, shardings)
@@ -212,7 +235,6 @@ class Island:
         if self.layers is not None:
             return part(params, self.index, self.count, self.layers, self.cfg.model.tie_embeddings)
         if self.plan is not None:
-            from hetjax.pipeline.stages import to_stages
             return to_stages(params, self.plan.layout)
         return params
 
@@ -226,13 +248,12 @@ class Island:
 def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island:
     """Island k on `devices` (its mesh); `layers`: its range for pipeline placement.
     Checks that its part splits over its mesh (ConfigError naming the field)."""
-    from hetjax import optim, pipeline
     spec = cfg.hetero.islands[k]
-    geometry = Geometry.of(spec, cfg.hetero.virtual)
-    if len(devices) != math.prod(geometry.shape):
-        raise ConfigError(f"config.hetero.islands[{k}] ({spec.name}) needs {math.prod(geometry.shape)} "
+    geo = geometry(cfg, k)
+    if len(devices) != math.prod(geo.shape):
+        raise ConfigError(f"config.hetero.islands[{k}] ({spec.name}) needs {math.prod(geo.shape)} "
                           f"devices but has {len(devices)}")
-    mesh = make_mesh(geometry, devices)
+    mesh = make_mesh(geo, devices)
     icfg = island_config(cfg, k)
     tx = optim.make_optimizer(icfg.optim, cfg.steps)
     rows = plan = None
@@ -241,7 +262,7 @@ def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island
         dims = {**cfg.model.dims(), "layers": ("hetero.island_layers", layers[1] - layers[0])}
         sharding.check_divisible(dims, rules, mesh)
         graphdef, _ = state_lib.abstract_state(cfg.model, cfg.seed, tx)
-        island = Island(cfg, k, geometry, mesh, icfg, rules, tx, graphdef, None, None,
+        island = Island(cfg, k, geo, mesh, icfg, rules, tx, graphdef, None, None,
                         step.batch_shardings(mesh, rules), layers=layers)
         abstract = jax.eval_shape(island._init)
     else:
@@ -255,7 +276,7 @@ def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island
         rules = pipeline.rules(icfg, plan)
         sharding.check_divisible(pipeline.dims(icfg, plan), rules, mesh)
         graphdef, abstract = pipeline.abstract_state(icfg, tx, plan)
-        island = Island(cfg, k, geometry, mesh, icfg, rules, tx, graphdef, None, None,
+        island = Island(cfg, k, geo, mesh, icfg, rules, tx, graphdef, None, None,
                         step.batch_shardings(mesh, rules), rows=rows, plan=plan)
     island.abstract = abstract
     shardings = state_lib.state_shardings(abstract, mesh, island.rules)
@@ -263,6 +284,16 @@ def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island
         shardings = jax.tree.map(lambda x, s: island.replicated() if _placeholder(x) else s,
                                  abstract, shardings)
     island.shardings = shardings
+    # The island's part must fit its devices: say what it needs before allocating.
+    real = [(p, v) for p, v in nnx.to_flat_state(abstract.params) if not _placeholder(v.get_value())]
+    layouts = sharding.param_layouts(nnx.from_flat_state(real), mesh, island.rules)
+    part_cfg = icfg if layers is None else dataclasses.replace(
+        icfg, model=dataclasses.replace(cfg.model, num_layers=layers[1] - layers[0]))
+    island.memory = memory.estimate(part_cfg, layouts, mesh)
+    try:
+        memory.check_fits(part_cfg, island.memory, mesh)
+    except memory.DoesNotFit as e:
+        raise memory.DoesNotFit(f"island {spec.name} (config.hetero.islands[{k}]): {e}") from None
     return island
 
 
@@ -272,8 +303,7 @@ def _placeholder(x) -> bool:
 
 def remote_layouts(cfg, k: int, tree_specs) -> object:
     """Layouts of island k's arrays, given a tree of their PartitionSpecs."""
-    geometry = Geometry.of(cfg.hetero.islands[k], cfg.hetero.virtual)
-    return jax.tree.map(geometry.layout, tree_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(geometry(cfg, k).layout, tree_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def specs(shardings):

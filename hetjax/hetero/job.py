@@ -15,29 +15,36 @@ import json
 import math
 import os
 import time
+import uuid
 from concurrent import futures
 from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
 
-from hetjax import checkpoint
+from hetjax import checkpoint, repro
 from hetjax import config as config_lib
 from hetjax import metrics as metrics_lib
+from hetjax import state as state_lib
+from hetjax.compile import backend
 from hetjax.config import ConfigError
 from hetjax.hetero import island as island_lib
 from hetjax.hetero import placement
+from hetjax.hetero import runtime
 from hetjax.hetero.links import IslandLost, Links
 from hetjax.hetero.pipelined import PipelineStage
+from hetjax.hetero.profile import seconds_per_layer
 from hetjax.hetero.replicated import DataShare, IslandsDiverged
 from hetjax.hetero.runtime import IslandStartError
 from hetjax.transfer import TransferError
+from hetjax.transfer.core import run_async
 
 
 def start(cfg) -> tuple[str, object]:
     """Sets up the backend for this process (before jax starts) and, in process mode,
     joins this island's jax.distributed world; (start-up line, runtime settings or None)."""
-    from hetjax.compile import backend
     if cfg.hetero.virtual:
         line = backend.start(cfg)
         if backend.resolve(cfg.compile)[0].platform == "cpu":
@@ -47,7 +54,6 @@ def start(cfg) -> tuple[str, object]:
             if "xla_force_host_platform_device_count" not in flags:
                 backend.virtual_cpu_devices(need)
         return line + " (virtual islands: every island runs on a share of this process's devices)", None
-    from hetjax.hetero import runtime
     settings = runtime.ProcessSettings.from_env(os.environ, cfg)
     if settings is None:
         raise ConfigError("config.hetero.virtual=False: start the islands' processes with "
@@ -70,8 +76,12 @@ JobError = (IslandLost, IslandsDiverged, IslandStartError, TransferError)
 def agreed(cfg) -> dict:
     """What every island must agree on: everything but where each process runs."""
     d = config_lib.to_dict(cfg)
-    d["hetero"] = {k: v for k, v in d["hetero"].items() if k != "virtual"}
-    for k in ("compile", "run_dir", "log_every", "tensorboard", "checkpoint"):
+    h = d["hetero"] = {k: v for k, v in d["hetero"].items() if k != "virtual"}
+    for link in [h["link"], *h["links"]]:  # where a process listens and finds its secret
+        for k in ("nic_addresses", "bind_address", "port", "secret_env", "secret_file"):
+            link.pop(k)
+    d["checkpoint"] = {k: d["checkpoint"][k] for k in ("every", "keep", "keep_every")}  # same steps
+    for k in ("compile", "run_dir", "log_every", "tensorboard"):
         d.pop(k, None)
     return d
 
@@ -93,6 +103,28 @@ def differences(a: dict, b: dict) -> list[str]:
             if fa.get(k) != fb.get(k)]
 
 
+def gather_json(links: Links, value, what: str, mesh) -> list:
+    """Every island's JSON-able `value`, in island order."""
+    text = np.frombuffer(json.dumps(value, sort_keys=True).encode(), np.uint8)
+    sizes = links.gather(np.asarray([text.size], np.int32), f"{what}/size", mesh)[:, 0]
+    mine = np.zeros(int(sizes.max()), np.uint8)
+    mine[:text.size] = text
+    got = links.gather(mine, f"{what}/text", mesh)
+    return [json.loads(row[:n].tobytes().decode()) for row, n in zip(got, sizes)]
+
+
+def check_config(cfg, links: Links, mesh) -> None:
+    """Islands whose configs disagree refuse to start, naming the difference. The first
+    exchange of a job: nothing is compiled or allocated before it."""
+    ours = json.loads(json.dumps(agreed(cfg), sort_keys=True))  # tuples as lists, like theirs
+    names = [i.name for i in cfg.hetero.islands]
+    for j, theirs in enumerate(gather_json(links, ours, "config", mesh)):
+        diff = differences(ours, theirs)
+        if diff:
+            raise ConfigError(f"island {names[j]}'s config differs from island {names[links.k]}'s: "
+                              f"{'; '.join(diff[:5])}; start every island with the same config")
+
+
 class Worker:
     """One island's part of the job in this process."""
 
@@ -106,22 +138,18 @@ class Worker:
         self.manager = checkpoint.Manager(checkpoint.default_dir(cfg) / self.name, cfg.checkpoint)
         self.step_seconds = 0.0
 
-    def check_config(self, cfg) -> None:
-        """Islands whose configs disagree refuse to start, naming the difference."""
-        ours = json.loads(json.dumps(agreed(cfg), sort_keys=True))  # tuples as lists, like theirs
-        text = np.frombuffer(json.dumps(ours, sort_keys=True).encode(), np.uint8)
-        sizes = self.links.gather(np.asarray([text.size], np.int32), "config/size", self.island.mesh)[:, 0]
-        width = int(sizes.max())
-        mine = np.zeros(width, np.uint8)
-        mine[:text.size] = text
-        got = self.links.gather(mine, "config/text", self.island.mesh)
-        names = [i.name for i in cfg.hetero.islands]
-        for j in range(len(names)):
-            theirs = json.loads(got[j][:sizes[j]].tobytes().decode())
-            diff = differences(ours, theirs)
-            if diff:
-                raise ConfigError(f"island {names[j]}'s config differs from island {self.name}'s: "
-                                  f"{'; '.join(diff[:5])}; start every island with the same config")
+    def fingerprint_part(self, state) -> dict:
+        """{tensor: (hash, norm)} of the parameters this island counts (hetjax.repro): its
+        layers, and a shared or replicated tensor on one island only."""
+        isl = self.island
+        if isl.layers is None:  # data placement: every island holds the same whole model
+            part = repro.param_fingerprint(state.params) if isl.first else repro.ParamFingerprint({})
+        else:
+            n, tied = isl.count, isl.cfg.model.tie_embeddings
+            kept = [(p, v) for p, v in nnx.to_flat_state(state.params)
+                    if p[0] == island_lib.BLOCKS or island_lib.holders(p[0], n, tied)[0] == isl.index]
+            part = repro.param_fingerprint(nnx.from_flat_state(kept), layer_offset=isl.layers[0])
+        return {k: (t.hash, t.norm) for k, t in part.tensors.items()}
 
     def train_step(self, state, batch, step: int, stop: bool):
         t = time.perf_counter()
@@ -186,11 +214,19 @@ class Checkpoints:
         other processes) holds and can read, or None."""
         job = self.job
         while True:
-            mine = set(self.steps())
-            common = job.agree_steps(sorted(mine))
+            held = {w.name: w.manager.steps() for w in job.workers}
+            common, everyone = job.agree_steps(sorted(self.steps()), any(held.values()))
             if not common:
+                if everyone:
+                    raise checkpoint.CheckpointError(
+                        f"the islands hold checkpoints but no step in common ({held} here); a job "
+                        f"resumes all islands at one step, and starting again from step 0 would "
+                        f"overwrite them: keep them, and restore a common step or move them away")
                 return None
             step = common[-1]
+            for w in job.workers:  # a newer step that not every island holds was never finished
+                for newer in [s for s in w.manager.steps() if s > step]:
+                    w.manager.move_aside(newer, log, why="unfinished (not every island saved it)")
             try:
                 restored = job._each(lambda w: w.manager.restore(step, w.island.abstract, w.island.shardings))
                 ok = 1
@@ -201,27 +237,29 @@ class Checkpoints:
                 return [r.state for r in restored], step, restored[0].data_state
             for w in job.workers:  # someone could not read it: set it aside everywhere
                 if step in w.manager.steps():
-                    w.manager._move_aside(step, log)
+                    w.manager.move_aside(step, log)
 
 
 class Job:
     """Every island of the job that lives in this process."""
 
+    mesh = None  # islands have one each
     def __init__(self, cfg, dataset, settings=None, log=print):
         self.cfg, self.dataset, self.settings = cfg, dataset, settings
         h = cfg.hetero
         n = len(h.islands)
         local = list(range(n)) if settings is None else [[i.name for i in h.islands].index(settings.island)]
         devices = self._devices(local)
-        self._pool = futures.ThreadPoolExecutor(len(local))
-        links = {k: Links(cfg, k, settings) for k in local}
-        meshes = {k: island_lib.make_mesh(island_lib.Geometry.of(h.islands[k], h.virtual), devices[k])
-                  for k in local}
+        # Virtual islands share this process's local mailbox: a job's own tags.
+        job_id = "" if settings is not None else f"{uuid.uuid4().hex[:8]}:"
+        links = {k: Links(cfg, k, settings, job_id) for k in local}
+        self._links = list(links.values())
+        meshes = {k: island_lib.make_mesh(island_lib.geometry(cfg, k), devices[k]) for k in local}
+        self._run(local, lambda k: check_config(cfg, links[k], meshes[k]))
         layers = [None] * n
         if h.placement == "pipeline":
             speeds = None
             if h.auto_split:
-                from hetjax.hetero.profile import seconds_per_layer
                 times = self._run(local, lambda k: links[k].gather(
                     np.asarray([seconds_per_layer(cfg, meshes[k])], np.float32), "profile", meshes[k]))[0]
                 speeds = placement.balance(times[:, 0].tolist())
@@ -233,7 +271,6 @@ class Job:
         self.workers = self._run(local, lambda k: Worker(cfg, k, devices[k], layers[k], dataset, links[k]))
         for w in self.workers:
             log(w.island.describe())
-        self._each(lambda w: w.check_config(cfg))
         self.checkpoints = Checkpoints(self)
         self.preempted: list = []
         self.stop_requested = False
@@ -249,8 +286,10 @@ class Job:
         if data_state is not None:
             self.batches.set_state(data_state)
         self.run_dir = Path(cfg.run_dir)
-        if settings is not None and (local[0] != 0 or settings.process_id != 0):
+        self.writes_fingerprints = settings is None or (local[0] == 0 and settings.process_id == 0)
+        if not self.writes_fingerprints:  # one writer of run_dir's files per job
             self.run_dir = self.run_dir / "islands" / f"{settings.island}-{settings.process_id}"
+        self._batch_words: dict = {}
 
     def _devices(self, local):
         h = self.cfg.hetero
@@ -267,10 +306,19 @@ class Job:
         return {k: have[starts[k]:starts[k + 1]] for k in range(len(need))}
 
     def _run(self, ks, fn):
-        """fn(k) for every local island k at once: exchanges need all islands running."""
+        """fn(k) for every local island k at once: exchanges need all islands running.
+        When one fails, its error is raised (not the other islands' IslandLost that
+        follows it), and the links are closed so that the others stop waiting."""
         if len(ks) == 1:
             return [fn(ks[0])]
-        return [f.result() for f in [self._pool.submit(fn, k) for k in ks]]
+        running = [run_async(fn, k) for k in ks]  # daemon threads: a stuck one never blocks exit
+        done, _ = futures.wait(running, return_when=futures.FIRST_EXCEPTION)
+        errors = [f.exception() for f in done if f.exception() is not None]
+        if errors:
+            for links in self._links:
+                links.close()
+            raise next((e for e in errors if not isinstance(e, IslandLost)), errors[0])
+        return [f.result() for f in running]
 
     def _each(self, fn, *per_worker):
         """fn(worker, *args) on every local island at once (one thread each)."""
@@ -282,16 +330,17 @@ class Job:
             return self._each(lambda w: w.island.init_from(self.cfg.init_from))
         return self._each(lambda w: w.island.create_state())
 
-    def agree_steps(self, steps: list[int]) -> list[int]:
-        """The checkpoint steps that every island holds."""
+    def agree_steps(self, steps: list[int], holds_any: bool) -> tuple[list[int], bool]:
+        """(the checkpoint steps that every island holds, whether any island holds one)."""
         width = 64
-        mine = np.full(width, -1, np.int64)
+        mine = np.full(width + 1, -1, np.int32)
         mine[:min(width, len(steps))] = steps[-width:]
-        got = self._each(lambda w: w.links.gather(mine.astype(np.int32), "checkpoint/steps", w.island.mesh))[0]
+        mine[width] = int(holds_any)
+        got = self._each(lambda w: w.links.gather(mine, "checkpoint/steps", w.island.mesh))[0]
         common = set(steps)
         for row in got:
-            common &= {int(s) for s in row if s >= 0}
-        return sorted(common)
+            common &= {int(s) for s in row[:width] if s >= 0}
+        return sorted(common), bool(got[:, width].max())
 
     def all_ok(self, ok: int, what: str) -> bool:
         flags = self._each(lambda w: w.links.gather(np.asarray([ok], np.int32), what, w.island.mesh))
@@ -302,6 +351,9 @@ class Job:
     def train_step(self, states, batches):
         step = self.step_count
         stop = bool(self.preempted)
+        if self.settings is not None and self.settings.num_processes > 1:
+            # Every process of the island must stop at the same step (a save is collective).
+            stop = bool(multihost_utils.process_allgather(np.int32(stop)).max())
         out = self._each(lambda w, s, b: w.train_step(s, b, step, stop), states, batches)
         self.step_count += 1
         self.stop_requested = bool(np.any([o[2] for o in out]))
@@ -319,6 +371,36 @@ class Job:
         loss, tokens = self._each(run, states)[0]
         return {"loss_sum": loss, "tokens": tokens}
 
+    def digest_batch(self, step: int, batches) -> None:
+        """Starts the fingerprint of step `step`'s global batch (hetjax.repro)."""
+        self._batch_words[step] = [repro.batch_words(b) for b in batches]
+
+    def batch_digest(self, step: int) -> int:
+        """The global batch's digest: any island's (pipeline: each holds it whole), or the
+        sum of the islands' row shares (data)."""
+        words = self._batch_words.pop(step)
+        if self.cfg.hetero.placement == "pipeline":
+            return repro.combine_rows(words[0])
+        parts = [repro.combine_rows(w, rows=wk.rows[0]) for w, wk in zip(words, self.workers)]
+        if self.settings is not None:  # the other islands' shares are theirs: exchange them
+            pair = np.asarray([parts[0] & 0xFFFFFFFF, parts[0] >> 32], np.uint32)
+            w = self.workers[0]
+            got = w.links.gather(pair, f"digest{step}", w.island.mesh).astype(np.uint64)
+            parts = [int(lo) | (int(hi) << 32) for lo, hi in got]
+        return sum(parts) % 2**64
+
+    def param_fingerprint(self, states) -> repro.ParamFingerprint:
+        """The whole model's fingerprint: the sum of every island's part."""
+        parts = self._each(lambda w, s: w.fingerprint_part(s), states)
+        if self.settings is not None:
+            w = self.workers[0]
+            parts = gather_json(w.links, parts[0], f"params{self.step_count}", w.island.mesh)
+        total = repro.ParamFingerprint({})
+        for part in parts:
+            total = total + repro.ParamFingerprint({k: repro.TensorPrint(int(h), float(v))
+                                                    for k, (h, v) in part.items()})
+        return total
+
     def check_identical(self, states, step: int) -> None:
         """Data placement: every fingerprint_every steps, islands compare parameter hashes."""
         every = self.cfg.hetero.fingerprint_every
@@ -326,14 +408,10 @@ class Job:
             self._each(lambda w, s: w.stage.check_identical(s.params, f"fingerprint{step}"), states)
 
     def flops_per_step(self) -> float:
-        from flax import nnx
-
-        from hetjax import state as state_lib
         model = nnx.eval_shape(lambda: state_lib.make_model(self.cfg.model, self.cfg.seed))
         num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model)))
         return metrics_lib.model_flops_per_token(self.cfg, num_params) * self.cfg.batch_size * self.cfg.seq_len
 
     def close(self) -> None:
-        for w in self.workers:
-            w.links.close()
-        self._pool.shutdown(wait=False)
+        for links in self._links:
+            links.close()

@@ -21,7 +21,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetjax.hetero import runtime
-from hetjax.transfer import TransferTimeout, open_endpoint
+from hetjax.hetero.island import geometry
+from hetjax.transfer import TransferError, TransferTimeout, local, open_endpoint
 
 
 class IslandLost(RuntimeError):
@@ -45,10 +46,10 @@ def link_config(cfg, i: int, j: int):
 class Links:
     """Island `k`'s endpoints to every other island, opened up front."""
 
-    def __init__(self, cfg, k: int, settings=None):
+    def __init__(self, cfg, k: int, settings=None, job_id: str = ""):
         self.cfg, self.k, self.n = cfg, k, len(cfg.hetero.islands)
         self.names = [i.name for i in cfg.hetero.islands]
-        self.settings = settings
+        self.settings, self.job_id = settings, job_id
         self.endpoints, self.peers = {}, {}
         self.transfer_seconds = 0.0  # time this island's host thread spent waiting on links
         for j in range(self.n):
@@ -67,7 +68,7 @@ class Links:
                              for p in range(spec.num_processes)}
 
     def tag(self, src: int, dst: int, what: str) -> str:
-        return f"{self.names[src]}>{self.names[dst]}/{what}"
+        return f"{self.job_id}{self.names[src]}>{self.names[dst]}/{what}"
 
     def send(self, j: int, tree, what: str, dst_layouts):
         """Starts sending tree to island j (a Handle); dst_layouts: j's layouts of it."""
@@ -84,9 +85,11 @@ class Links:
             return handle.wait()
         except TransferTimeout as e:
             spec = self.cfg.hetero.islands[j]
-            ranks = f"rank 0..{spec.num_processes - 1}" if spec.num_processes > 1 else "rank 0"
-            raise IslandLost(f"island {self.names[j]} ({ranks}) stopped answering island "
-                             f"{self.names[self.k]}: {e}") from e
+            ranks = f"one of ranks 0..{spec.num_processes - 1}" if spec.num_processes > 1 else "rank 0"
+            raise IslandLost(f"island {self.names[j]} ({ranks}; the error names its process) stopped "
+                             f"answering island {self.names[self.k]}: {e}") from e
+        except TransferError as e:
+            raise TransferError(f"link from island {self.names[self.k]} to island {self.names[j]}: {e}") from e
         finally:
             self.transfer_seconds += time.perf_counter() - t
 
@@ -119,10 +122,9 @@ class Links:
         else:  # host values: every process of the island holds them (the same everywhere)
             host = np.asarray(values)
             mine = jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
-        from hetjax.hetero.island import Geometry
 
         def layout(j):
-            return Geometry.of(self.cfg.hetero.islands[j], self.cfg.hetero.virtual).layout(PartitionSpec())
+            return geometry(self.cfg, j).layout(PartitionSpec())
 
         like = jax.ShapeDtypeStruct(mine.shape, mine.dtype, sharding=replicated)
         got = self.all_to_all(mine, what, layout, layout, like)
@@ -136,3 +138,5 @@ class Links:
     def close(self) -> None:
         for ep in self.endpoints.values():
             ep.close()
+        if self.settings is None:  # virtual: drop what was sent to us and never received
+            local.drop(f"{self.job_id}", f">{self.names[self.k]}/")

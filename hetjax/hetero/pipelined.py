@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetjax import sharding
+from hetjax.compile import aot
 from hetjax.hetero import island as island_lib
-from hetjax.hetero.update import make_apply, sum_of_squares
+from hetjax.hetero.update import add_in_order, make_apply, sum_of_squares
 from hetjax.pipeline.schedule import forward_only, make_schedule
 from hetjax.pipeline.stages import stage_backward, stage_forward
-from hetjax.step import _split_micro
+from hetjax.step import split_micro
 
 
 class PipelineStage:
@@ -39,13 +40,13 @@ class PipelineStage:
         self.act_like = jax.ShapeDtypeStruct((cfg.batch_size // self.M, cfg.seq_len, cfg.model.embed_dim),
                                              dtype, sharding=act)
         spec = sharding.spec_for(island_lib.ACTIVATION, rules)
-        self.act_layout = {j: island_lib.Geometry.of(cfg.hetero.islands[j], cfg.hetero.virtual).layout(spec)
+        self.act_layout = {j: island_lib.geometry(cfg, j).layout(spec)
                            for j in range(n)}
 
         def pick(batch, m):
             with sharding.logical_rules(mesh, rules):
                 return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(
-                    _split_micro(x, self.M), m, keepdims=False), batch)
+                    split_micro(x, self.M), m, keepdims=False), batch)
 
         def fwd(params, batch, m, x):
             with sharding.logical_rules(mesh, rules):
@@ -56,21 +57,27 @@ class PipelineStage:
                 g, dx, l = stage_backward(graphdef, params, x, pick(batch, m), dy, first=first, last=last)
             return jax.tree.map(jnp.add, acc, g), (None if first else dx), loss + l
 
-        self.fwd = island.program(jax.jit(fwd, out_shardings=replicated if last else act))
-        self.bwd = island.program(jax.jit(bwd, out_shardings=(params_sh, None if first else act, replicated),
-                           donate_argnums=(1, 2)))
-        self.zeros = island.program(jax.jit(
-            lambda p: (jax.tree.map(jnp.zeros_like, p), jnp.zeros((), jnp.float32)),
-            out_shardings=(params_sh, replicated)))
-        self.count = island.program(jax.jit(lambda b: jnp.sum(b["loss_mask"].astype(jnp.float32)),
-                                            out_shardings=replicated))
+        # Every program is compiled here, for abstract inputs: (parameters, batch,
+        # micro-batch index, stage input[, its output gradient]).
+        P = aot.abstract(island.abstract.params, params_sh)
+        B, index, scalar = island.abstract_batch(), island.like((), jnp.int32), island.like((), jnp.float32)
+        x_like, dy_like = (None if first else self.act_like), (None if last else self.act_like)
+        self.index = [island.put(np.int32(m)) for m in range(self.M)]
+        self.fwd = island.compile(fwd, P, B, index, x_like, out_shardings=replicated if last else act)
+        self.bwd = island.compile(bwd, P, P, scalar, B, index, x_like, dy_like, donate_argnums=(1, 2),
+                                  out_shardings=(params_sh, None if first else act, replicated))
+        self.zeros = island.compile(lambda p: (jax.tree.map(jnp.zeros_like, p), jnp.zeros((), jnp.float32)),
+                                    P, out_shardings=(params_sh, replicated))
+        self.count = island.compile(lambda b: jnp.sum(b["loss_mask"].astype(jnp.float32)), B,
+                                    out_shardings=replicated)
         mask = island_lib.owned(island.abstract.params, k, n, self.tied)
-        self.sumsq = island.program(jax.jit(lambda g: sum_of_squares(g, mask), out_shardings=replicated))
-        self.apply = island.program(jax.jit(make_apply(cfg, island.tx), donate_argnums=0,
-                             out_shardings=(island.shardings, replicated)))
-        self.shared = island_lib.shared(island.abstract.params, n, self.tied)
-        self._add = island.program(jax.jit(
-            lambda parts: jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts)))
+        self.sumsq = island.compile(lambda g: sum_of_squares(g, mask), P, out_shardings=replicated)
+        self.apply = island.compile(make_apply(cfg, island.tx), aot.abstract(island.abstract, island.shardings),
+                                    P, island.like((3,), jnp.float32), donate_argnums=0,
+                                    out_shardings=(island.shardings, replicated))
+        self.shared = [name for name in island_lib.shared(island.abstract.params, n, self.tied)
+                       if k in island_lib.holders(name, n, self.tied)]
+        self._add = island.program(jax.jit(add_in_order))  # only for shared leaves, rarely
 
     # -- one pass of the schedule -------------------------------------------------
 
@@ -84,7 +91,7 @@ class PipelineStage:
         acc, loss = self.zeros(params) if train else (None, jnp.zeros((), jnp.float32))
         stash, sends = {}, []
         for op, m in ops:
-            mm = np.int32(m)
+            mm = self.index[m]
             if op == "F":
                 x = links.wait(recv_x.pop(m), prev) if k > 0 else None
                 if train:
@@ -117,7 +124,7 @@ class PipelineStage:
         mine = [loss if isl.last else 0.0, count if isl.last else 0.0, self.sumsq(grads), float(stop)]
         totals, table = self.links.totals(jnp.stack([jnp.asarray(v, jnp.float32) for v in mine]),
                                           f"{what}/totals", isl.mesh)
-        state, metrics = self.apply(state, grads, jnp.asarray(totals[:3], jnp.float32))
+        state, metrics = self.apply(state, grads, isl.put(totals[:3].astype(np.float32)))
         return state, metrics, table[:, 3]
 
     def _add_shared(self, grads, what: str):
@@ -125,7 +132,7 @@ class PipelineStage:
         holders' gradients in island order, so all keep identical copies."""
         isl, n, flatten = self.island, self.island.count, jax.tree_util.tree_flatten_with_path
         keys = [jax.tree_util.keystr(p) for p, _ in flatten(grads)[0]]
-        is_shared = [island_lib._top(p) in self.shared for p, _ in flatten(grads)[0]]
+        is_shared = [island_lib.top_name(p) in self.shared for p, _ in flatten(grads)[0]]
         leaves, treedef = jax.tree.flatten(grads)
         shards = jax.tree.leaves(isl.shardings.params)
         mine = {key: x for key, x, keep in zip(keys, leaves, is_shared) if keep}
@@ -134,7 +141,7 @@ class PipelineStage:
         holders = island_lib.holders(self.shared[0], n, self.tied)
 
         def layouts(j):
-            geometry = island_lib.Geometry.of(isl.cfg.hetero.islands[j], isl.cfg.hetero.virtual)
+            geometry = island_lib.geometry(isl.cfg, j)
             return {key: geometry.layout(s.spec) for key, s in shard.items()}
 
         others = [j for j in holders if j != isl.index]

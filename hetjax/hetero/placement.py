@@ -3,11 +3,9 @@ the global batch per island (data placement), from speeds or from a measurement.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from hetjax.config import ConfigError
+from hetjax.config import ConfigError, island_mesh_sizes
 
 
 def proportional(total: int, weights, units=None, what: str = "") -> tuple[int, ...]:
@@ -52,16 +50,11 @@ def batch_shares(cfg) -> tuple[tuple[int, int], ...]:
     proportion to speed, each share a multiple of what the island's mesh splits rows into."""
     units = []
     for island in cfg.hetero.islands:
-        m = island.mesh
-        devices = island.num_processes * island.devices_per_process
-        sizes = {a: getattr(m, a) for a in ("pipeline", "data", "fsdp", "tensor")}
-        wild = [a for a, s in sizes.items() if s == -1]
-        if wild:
-            sizes[wild[0]] = devices // math.prod(s for s in sizes.values() if s != -1)
-        unit = sizes["data"] * sizes["fsdp"]
-        if sizes["pipeline"] > 1:
-            unit *= cfg.pipeline.microbatches
-        units.append(unit)
+        sizes = island_mesh_sizes(island)
+        # Rows split over data x fsdp, and then into micro-batches (the island's pipeline
+        # or gradient accumulation).
+        micro = cfg.pipeline.microbatches if sizes["pipeline"] > 1 else cfg.optim.grad_accum_steps
+        units.append(sizes["data"] * sizes["fsdp"] * micro)
     rows = proportional(cfg.batch_size, [i.speed for i in cfg.hetero.islands], units,
                         what=f"config.batch_size={cfg.batch_size}")
     starts = np.concatenate([[0], np.cumsum(rows)[:-1]])

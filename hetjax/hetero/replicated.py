@@ -12,9 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax import checkpoint, pipeline, step
+from hetjax import checkpoint, optim, pipeline, step
+from hetjax import state as state_lib
+from hetjax.compile import aot
 from hetjax.hetero import island as island_lib
-from hetjax.hetero.update import make_apply, sum_of_squares
+from hetjax.hetero.update import add_in_order, make_apply, sum_of_squares
 
 
 class IslandsDiverged(RuntimeError):
@@ -33,14 +35,15 @@ class DataShare:
             grad_fn = step.make_grad_fn(isl.graphdef, isl.mesh, isl.rules, isl.cfg.optim.grad_accum_steps)
         else:
             grad_fn = pipeline.spmd.make_grad_fn(isl.graphdef, isl.mesh, isl.rules, isl.plan)
-        self.grads = island.program(jax.jit(grad_fn, out_shardings=(replicated, replicated, params_sh)))
-        self.eval = island.program(jax.jit(pipeline.eval_step_fn(isl.icfg, isl.graphdef, isl.mesh, isl.plan),
-                            out_shardings=replicated))
-        self.add = island.program(jax.jit(lambda parts: jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts),
-                           out_shardings=params_sh))
-        self.sumsq = island.program(jax.jit(sum_of_squares, out_shardings=replicated))
-        self.apply = island.program(jax.jit(make_apply(isl.cfg, isl.tx), donate_argnums=0,
-                             out_shardings=(isl.shardings, replicated)))
+        P, B = aot.abstract(isl.abstract.params, params_sh), isl.abstract_batch()
+        self.grads = isl.compile(grad_fn, P, B, out_shardings=(replicated, replicated, params_sh))
+        self.eval = isl.compile(pipeline.eval_step_fn(isl.icfg, isl.graphdef, isl.mesh, isl.plan), P, B,
+                                out_shardings=replicated)
+        self.add = isl.compile(add_in_order, [P] * isl.count, out_shardings=params_sh)
+        self.sumsq = isl.compile(sum_of_squares, P, out_shardings=replicated)
+        self.apply = isl.compile(make_apply(isl.cfg, isl.tx), aot.abstract(isl.abstract, isl.shardings), P,
+                                 isl.like((3,), jnp.float32), donate_argnums=0,
+                                 out_shardings=(isl.shardings, replicated))
         self.like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                  isl.abstract.params, params_sh)
         self.layouts = [island_lib.remote_layouts(isl.cfg, j, param_specs(isl.cfg, j))
@@ -57,7 +60,7 @@ class DataShare:
         sumsq = self.sumsq(grads) if isl.first else jnp.zeros((), jnp.float32)
         totals, table = self.links.totals(jnp.stack([loss, count, sumsq, jnp.float32(stop)]),
                                           f"{what}/totals", isl.mesh)
-        state, metrics = self.apply(state, grads, jnp.asarray(totals[:3], jnp.float32))
+        state, metrics = self.apply(state, grads, isl.put(totals[:3].astype(np.float32)))
         return state, metrics, table[:, 3]
 
     def eval_sums(self, params, batch, what: str) -> np.ndarray:
@@ -86,10 +89,7 @@ class DataShare:
 
 def param_specs(cfg, k: int):
     """Island k's PartitionSpecs of the model's parameters, from the config alone."""
-    from hetjax import optim
-    from hetjax import state as state_lib
-    geometry = island_lib.Geometry.of(cfg.hetero.islands[k], cfg.hetero.virtual)
-    mesh = geometry.abstract_mesh()
+    mesh = island_lib.geometry(cfg, k).abstract_mesh()
     icfg = island_lib.island_config(cfg, k)
     plan = pipeline.make_plan(icfg, mesh)
     rules = pipeline.rules(icfg, plan)

@@ -16,6 +16,12 @@ from hetjax.optim import learning_rate_schedule
 from hetjax.state import TrainState
 
 
+def add_in_order(parts):
+    """parts[0] + parts[1] + ... leaf by leaf, always in this order: every island that
+    adds the same parts gets the same bits."""
+    return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts)
+
+
 def sum_of_squares(grads, mask=None) -> jax.Array:
     """Squared L2 norm over the leaves where mask is True (all by default)."""
     leaves = jax.tree.leaves(grads)

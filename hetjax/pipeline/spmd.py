@@ -127,7 +127,7 @@ def _stage_setup(graphdef, plan: Plan, params, micro):
 def _run_stages(body, mesh: Mesh, rules, plan: Plan, params, batch, out_specs):
     """body(params, micro-batches) on every stage: `pipeline` manual, the other axes automatic."""
     with sharding.logical_rules(mesh, rules):
-        micro = jax.tree.map(lambda x: step._split_micro(x, plan.microbatches), batch)
+        micro = jax.tree.map(lambda x: step.split_micro(x, plan.microbatches), batch)
         return jax.shard_map(_inside(body, rules), mesh=mesh, in_specs=(_specs(params), P()),
                              out_specs=out_specs, axis_names={AXIS}, check_vma=False)(params, micro)
 

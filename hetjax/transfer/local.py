@@ -19,6 +19,14 @@ _mailbox: dict[str, tuple] = {}
 _arrived = threading.Condition()
 
 
+def drop(prefix: str, contains: str) -> None:
+    """Forgets unreceived messages whose tag starts with `prefix` and contains `contains`
+    (a job that stopped leaves nothing behind for the next one in this process)."""
+    with _arrived:
+        for tag in [t for t in _mailbox if t.startswith(prefix) and contains in t]:
+            del _mailbox[tag]
+
+
 class LocalEndpoint(Endpoint):
     def send(self, tree, tag, dst, peers=None):
         leaves, plans, _ = self.prepare_send(tree, tag, dst)

@@ -1,0 +1,49 @@
+"""Islands as one more layout of a config (`python -m hetjax.repro check --layouts
+"...; islands=2"`): the same job split into N virtual islands, pipeline placement."""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+from hetjax.config import ConfigError
+
+_CONFIG = '''"""{n} virtual islands over {base!r} (written by hetjax.hetero.layouts)."""
+
+import dataclasses
+
+from hetjax.config import HeteroConfig, IslandConfig, MeshConfig, load
+
+
+def get_config():
+    cfg = load({base!r})
+    islands = tuple(IslandConfig(name=f"island{{k}}", devices_per_process={per}, mesh=MeshConfig(fsdp=-1))
+                    for k in range({n}))
+    schedule = "gpipe" if cfg.pipeline.schedule == "gpipe" else "1f1b"
+    return dataclasses.replace(
+        cfg, mesh=MeshConfig(fsdp=-1), hetero=HeteroConfig(islands=islands, placement="pipeline"),
+        pipeline=dataclasses.replace(cfg.pipeline, schedule=schedule, stage_layers=()))
+'''
+
+
+@dataclasses.dataclass(frozen=True)
+class IslandsLayout:
+    overrides: dict
+    devices: int
+    config: str
+
+
+def islands_layout(cfg, n: int, config: str, devices: int = 8) -> IslandsLayout:
+    """`config` (a config file) as n virtual islands sharing `devices` CPU devices evenly,
+    each holding contiguous layers. The wrapping config file goes to a temporary folder."""
+    if n < 2 or devices % n:
+        raise ConfigError(f"--layouts: islands={n}: use at least 2 islands that divide the {devices} devices")
+    if cfg.model.num_layers < n:
+        raise ConfigError(f"--layouts: islands={n}: config.model.num_layers={cfg.model.num_layers} is fewer "
+                          f"than the islands (each holds at least one layer)")
+    from hetjax.config import find_config_file
+    base = str(find_config_file(config).resolve())
+    path = Path(tempfile.mkdtemp(prefix="hetjax-islands-")) / f"islands{n}.py"
+    path.write_text(_CONFIG.format(n=n, base=base, per=devices // n))
+    return IslandsLayout({}, devices, str(path))

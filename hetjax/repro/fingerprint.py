@@ -1,0 +1,192 @@
+"""Exact digests of a step's batch and of the parameters, whatever the layout.
+
+Both digests are sums mod 2**64 of one 64-bit value per part, so they do not depend
+on the mesh, the sharding, the number of processes or the order of reduction, and
+digests of disjoint parts add up to the digest of the whole:
+
+  batch      one part per (global row, field): a hash of the row's index in the global
+             batch and of the bits of that row of `inputs`, `targets`, `loss_mask`, ...
+             Data-parallel islands that each hold some rows add their digests.
+  params     one part per tensor in the MODEL layout, and per layer of the stacked
+             `blocks` leaves (named `blocks/attn/q_DNH[3]`): a hash of the name, the
+             shape, the dtype and the exact bits. Pipeline islands that each hold a
+             contiguous range of layers call `param_fingerprint(their_params,
+             layer_offset=first_layer)` and add the results (`a + b`).
+
+The bits are hashed on the devices (two 32-bit wrapping sums per part, see
+hetjax.checkpoint), so only a few words per tensor or row reach the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from hetjax.checkpoint import _leaf_hash, _path
+from hetjax.pipeline.stages import BLOCKS, StageLayout, from_stages
+
+MASK = 2**64 - 1
+
+
+def part_hash(*fields) -> int:
+    """A 64-bit value for one part: blake2b of its fields' text."""
+    text = "|".join(map(str, fields)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def hex64(value: int) -> str:
+    return f"{value & MASK:016x}"
+
+
+def _replicated(tree):
+    """A replicated sharding on the mesh of the first NamedSharding-placed leaf (so that
+    every process can read the result), or None (jit's default) for unplaced arrays."""
+    for x in jax.tree.leaves(tree):
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding):
+            return NamedSharding(s.mesh, PartitionSpec())
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Batches
+
+
+def _row_words(batch: dict) -> dict:
+    # (rows, 2) uint32 per field: each row hashed on its own, so the row's global index
+    # can be mixed in on the host (and parts of a batch held elsewhere add up).
+    return {k: jax.vmap(_leaf_hash)(v) for k, v in batch.items()}
+
+
+_row_words_jit = {}
+
+
+def batch_words(batch: dict) -> dict:
+    """Starts the device side of `batch_digest` and returns its (unfetched) result."""
+    out = _replicated(batch)
+    if out not in _row_words_jit:
+        _row_words_jit[out] = jax.jit(_row_words, out_shardings=out)
+    return _row_words_jit[out](batch)
+
+
+def combine_rows(words: dict, rows=None) -> int:
+    """The batch digest from fetched `batch_words`; `rows`: the global row index of each
+    row (default 0, 1, ...; an int is the first row's index)."""
+    words = {k: np.asarray(v) for k, v in jax.device_get(words).items()}
+    n = len(next(iter(words.values())))
+    rows = np.arange(n) + (rows or 0) if rows is None or np.isscalar(rows) else np.asarray(rows)
+    total = 0
+    for key in sorted(words):
+        for r, (w0, w1) in zip(rows, words[key]):
+            total += part_hash("row", int(r), key, f"{int(w0):08x}{int(w1):08x}")
+    return total & MASK
+
+
+def batch_digest(batch: dict, rows=None) -> int:
+    """Digest of a batch (dict of (rows, length) arrays, any sharding); `rows` as in
+    combine_rows. Digests of disjoint row sets add up mod 2**64 to the whole batch's."""
+    return combine_rows(batch_words(batch), rows)
+
+
+# ---------------------------------------------------------------------------
+# Parameters
+
+
+def _is_blocks(path) -> bool:
+    return bool(path) and str(getattr(path[0], "key", getattr(path[0], "name", ""))) == BLOCKS
+
+
+def _param_stats(params):
+    """Per leaf: (hash words, sum of squares), per layer for `blocks` leaves."""
+    def one(path, x):
+        x = jnp.asarray(x)
+        if _is_blocks(path):
+            return jax.vmap(_leaf_hash)(x), jnp.sum(jnp.square(x.astype(jnp.float32)).reshape(x.shape[0], -1), 1)
+        return _leaf_hash(x), jnp.sum(jnp.square(x.astype(jnp.float32)))
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+_stats_jit = {}
+
+
+def param_stats(params, layout: StageLayout | None = None):
+    """Starts the device side of `param_fingerprint` and returns (unfetched stats, the
+    model-layout shapes). `layout`: the pipeline's stage layout when `params` are in its
+    padded layout; they are converted with from_stages first."""
+    def convert(p):
+        return p if layout is None else from_stages(p, layout)
+
+    key = (_replicated(params), layout)
+    if key not in _stats_jit:
+        _stats_jit[key] = jax.jit(lambda p: _param_stats(convert(p)), out_shardings=key[0])
+    leaves = jax.tree_util.tree_flatten_with_path(jax.eval_shape(convert, params))[0]
+    shapes = {_path(p): (tuple(x.shape), jnp.dtype(x.dtype).name, _is_blocks(p)) for p, x in leaves}
+    return _stats_jit[key](params), shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPrint:
+    hash: int  # 64-bit part of the digest
+    norm: float  # L2 norm (fp32 sums: close, not exact, across layouts)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamFingerprint:
+    """Per-tensor (per-layer for `blocks`) hashes and norms; `digest` is their sum mod 2**64."""
+
+    tensors: dict[str, TensorPrint]
+
+    @property
+    def digest(self) -> int:
+        return sum(t.hash for t in self.tensors.values()) & MASK
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(sum(t.norm**2 for t in self.tensors.values()))
+
+    def __add__(self, other: ParamFingerprint) -> ParamFingerprint:
+        """Fingerprint of the union of two disjoint parts (e.g. two islands' layers)."""
+        both = sorted(set(self.tensors) & set(other.tensors))
+        if both:
+            raise ValueError(f"fingerprints of overlapping parts cannot be added: both hold {both[:3]}")
+        return ParamFingerprint({**self.tensors, **other.tensors})
+
+    def to_json(self) -> dict:
+        return {"params": hex64(self.digest), "norm": self.norm,
+                "hashes": {k: hex64(t.hash) for k, t in sorted(self.tensors.items())},
+                "norms": {k: t.norm for k, t in sorted(self.tensors.items())}}
+
+
+def fingerprint_from_stats(stats, shapes, layer_offset: int = 0) -> ParamFingerprint:
+    """Fetches `param_stats` and builds the fingerprint (layers numbered from layer_offset)."""
+    stats = jax.device_get(stats)
+    leaves = {_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(
+        stats, is_leaf=lambda x: isinstance(x, tuple))[0]}
+    tensors = {}
+    for name, (words, sumsq) in leaves.items():
+        shape, dtype, stacked = shapes[name]
+        if stacked:
+            for i, (w, s) in enumerate(zip(np.asarray(words), np.asarray(sumsq))):
+                part = f"{name}[{layer_offset + i}]"
+                tensors[part] = _tensor(part, shape[1:], dtype, w, s)
+        else:
+            tensors[name] = _tensor(name, shape, dtype, np.asarray(words), sumsq)
+    return ParamFingerprint(tensors)
+
+
+def _tensor(name, shape, dtype, words, sumsq) -> TensorPrint:
+    return TensorPrint(part_hash("tensor", name, shape, dtype, f"{int(words[0]):08x}{int(words[1]):08x}"),
+                       math.sqrt(float(sumsq)))
+
+
+def param_fingerprint(params, layer_offset: int = 0, layout: StageLayout | None = None) -> ParamFingerprint:
+    """Fingerprint of `params` (an nnx.State or pytree, any sharding, model layout unless
+    `layout` says it is a pipeline's padded one). A part holding layers a..b of the model
+    passes layer_offset=a; parts add with `+`. Blocks until the values are on the host."""
+    return fingerprint_from_stats(*param_stats(params, layout), layer_offset=layer_offset)

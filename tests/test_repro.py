@@ -1,0 +1,198 @@
+"""Run fingerprints (hetjax.repro): exact digests, compare and check, end to end."""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from flax import nnx
+
+from hetjax import data, sharding, step
+from hetjax import state as state_lib
+from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, load
+from hetjax.mesh import make_mesh
+from hetjax.optim import learning_rate_schedule
+from hetjax.pipeline.stages import make_layout, map_blocks, to_stages
+from hetjax.repro import check, compare, fingerprint as fp, read
+from hetjax.repro.__main__ import main as repro_main
+
+CFG = Config(model=ModelConfig(vocab_size=64, num_layers=3, embed_dim=32, mlp_dim=64, num_heads=4,
+                               num_kv_heads=4, head_dim=8), batch_size=8, seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def params():
+    """The initial parameters, created once on one device (sharded copies are device_puts)."""
+    return nnx.split(state_lib.make_model(CFG.model, CFG.seed))[1]
+
+
+def sharded(params, mesh_cfg):
+    mesh = make_mesh(mesh_cfg)
+    return jax.device_put(params, sharding.state_shardings(params, mesh, CFG.sharding.rules))
+
+
+def test_parameter_digest_is_layout_independent_and_norms_match_numpy(params):
+    a = fp.param_fingerprint(sharded(params, MeshConfig(fsdp=8)))
+    b = fp.param_fingerprint(sharded(params, MeshConfig(fsdp=2, tensor=4)))
+    assert a.digest == b.digest and a.tensors.keys() == b.tensors.keys()
+    host = {k: np.asarray(v, np.float64) for k, v in _named(jax.device_get(params))}
+    layers = {f"{k}[{i}]": x[i] for k, x in host.items() if k.startswith("blocks/") for i in range(len(x))}
+    whole = {k: x for k, x in host.items() if not k.startswith("blocks/")}
+    assert set(a.tensors) == set(layers) | set(whole) and "blocks/attn/q_DNH[2]" in a.tensors
+    for name, x in {**layers, **whole}.items():
+        np.testing.assert_allclose(a.tensors[name].norm, np.linalg.norm(x.ravel()), rtol=1e-6)
+        np.testing.assert_allclose(b.tensors[name].norm, np.linalg.norm(x.ravel()), rtol=1e-6)
+
+
+def _named(params):
+    from hetjax.checkpoint import _path
+    return [(_path(p), x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
+def test_parameter_digest_adds_over_layer_ranges_and_sees_one_bit(params):
+    params = jax.device_get(params)
+    whole = fp.param_fingerprint(params)
+    head = fp.param_fingerprint(map_blocks(lambda x: x[:1], params))  # layer 0 + embedding, norm, head
+    tail = fp.param_fingerprint(map_blocks(lambda x: x[1:], {"blocks": params["blocks"]}), layer_offset=1)
+    parts = head + tail
+    assert parts.digest == whole.digest
+    assert {k: t.hash for k, t in parts.tensors.items()} == {k: t.hash for k, t in whole.tensors.items()}
+    assert (head.digest + tail.digest) % 2**64 == whole.digest
+    with pytest.raises(ValueError, match="overlapping"):
+        head + head
+    # One flipped bit in layer 2 of one leaf changes that part's hash and no other.
+    flipped = jax.tree.map(lambda x: x, params)
+    q = np.array(flipped["blocks"]["attn"]["q_DNH"].get_value())
+    q.view(np.uint32)[2, 3, 1, 0] ^= 1
+    flipped["blocks"]["attn"]["q_DNH"].set_value(q)
+    other = fp.param_fingerprint(flipped)
+    changed = {k for k in whole.tensors if whole.tensors[k].hash != other.tensors[k].hash}
+    assert changed == {"blocks/attn/q_DNH[2]"} and other.digest != whole.digest
+
+
+def test_parameter_digest_of_a_padded_pipeline_layout_is_the_model_s(params):
+    layout = make_layout(3, 2, (1, 2))  # uneven: padded to 2 stages x 2 layers
+    padded = jax.jit(lambda p: to_stages(p, layout))(params)
+    assert fp.param_fingerprint(padded, layout=layout).digest == fp.param_fingerprint(params).digest
+    assert fp.param_fingerprint(padded).digest != fp.param_fingerprint(params).digest  # 4 layers, not 3
+
+
+def test_batch_digest_is_exact_for_any_sharding_and_adds_over_rows():
+    cfg = dataclasses.replace(CFG, mesh=MeshConfig(data=2, fsdp=4))
+    mesh = make_mesh(cfg.mesh)
+    stream = data.build(cfg)
+    batch = stream.batch(3, step.batch_shardings(mesh, cfg.sharding.rules))
+    host = {k: np.asarray(v) for k, v in batch.items()}
+    digest = fp.batch_digest(batch)
+    assert digest == fp.batch_digest(host)
+    assert (fp.batch_digest({k: v[:3] for k, v in host.items()}) +
+            fp.batch_digest({k: v[3:] for k, v in host.items()}, rows=3)) % 2**64 == digest
+    swapped = {k: v[[1, 0, *range(2, len(v))]] for k, v in host.items()}
+    assert fp.batch_digest(swapped) != digest  # a row's place in the batch counts
+    assert fp.batch_digest({k: np.asarray(v) for k, v in stream.batch(4, step.batch_shardings(
+        mesh, cfg.sharding.rules)).items()}) != digest
+
+
+def test_layouts_are_parsed_and_bad_ones_refused():
+    parsed = check.parse("fsdp=8; fsdp=2,tensor=4; pipeline=2")
+    lays = [check.layout(n, s, CFG, 8) for n, s in parsed]
+    assert [(l.overrides["mesh.fsdp"], l.overrides["mesh.tensor"], l.overrides["mesh.pipeline"], l.devices)
+            for l in lays] == [("8", "1", "1", 8), ("2", "4", "1", 8), ("-1", "1", "2", 8)]
+    for bad, word in (("fsdp=8", "at least two"), ("fsdp=8; tensr=2", "tensr=2"), ("fsdp=8; islands=2,fsdp=2", "islands")):
+        with pytest.raises(ConfigError, match=word):
+            check.parse(bad)
+    if importlib.util.find_spec("hetjax.hetero") is None:
+        with pytest.raises(ConfigError, match="hetjax.hetero"):
+            check.layout("islands=2", {"islands": 2}, CFG, 8)
+
+
+# ---------------------------------------------------------------------------
+# End to end: real training runs (python -m hetjax.train in fresh processes).
+
+SMALL = {"model.embed_dim": "32", "model.mlp_dim": "64", "model.num_kv_heads": "4", "seq_len": "32",
+         "batch_size": "16", "eval_every": "0", "tensorboard": "false", "peak_tflops": "1",
+         "data.num_documents": "2000", "steps": "20", "fingerprint_every": "10"}
+
+
+@pytest.fixture
+def small(tmp_path_factory):
+    # One compilation cache for every run of this session (all xdist workers): the same
+    # program compiles once.
+    base = tmp_path_factory.getbasetemp()
+    cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "repro_jax_cache"
+    return {**SMALL, "compile.cache_dir": str(cache)}
+
+
+def train(run_dir, overrides, **extra):
+    lay = check.Layout("fsdp=8", {"mesh.fsdp": "8", **{k: str(v) for k, v in extra.items()}}, 8)
+    code = check.run(lay, "tiny", overrides, run_dir, "cpu", timeout=300)
+    assert code == 0, (run_dir / "train.log").read_text()[-3000:]
+    return run_dir
+
+
+def test_layouts_agree_within_tolerance(tmp_path, small, capsys):
+    layouts = "fsdp=8; fsdp=2,tensor=4; pipeline=2"
+    if importlib.util.find_spec("hetjax.hetero") and importlib.util.find_spec("hetjax.hetero.layouts"):
+        layouts += "; islands=2"
+    code, rows = check.check("tiny", layouts, tmp_path / "check", small, steps=20)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert all(row.ok for row in rows) and len(rows) == len(layouts.split(";"))
+    for row in rows[1:]:
+        report = row.report
+        assert report.first_data_diff is None and report.init_equal and report.init_step == 0, row.layout
+        assert report.steps == list(range(20)) and report.within and not report.void, (row.layout, out)
+        assert 0 <= report.max_loss_gap <= compare.LOSS_RTOL and row.layout in out
+    first = read(rows[0].run_dir)
+    assert first[0][0]["profile"] == "cpu-deterministic" and first[0][0]["mesh"]["fsdp"] == 8
+    assert sorted(first[2]) == [0, 10, 20]
+
+
+def test_the_same_config_twice_and_a_resumed_run_are_bit_identical(tmp_path, small):
+    a = train(tmp_path / "a", small)
+    b = train(tmp_path / "b", small, **{"checkpoint.every": 10})
+    shutil.rmtree(b / "checkpoints" / "20")  # as if killed after step 10's checkpoint
+    train(b, small, **{"checkpoint.every": 10})  # resumes at step 10
+    headers, steps, params = read(b)
+    assert [h["step"] for h in headers] == [0, 10] and sorted(steps) == list(range(20))
+    superseded = [json.loads(l) for l in (b / "fingerprints.superseded.jsonl").read_text().splitlines()]
+    assert min(r["step"] for r in superseded) == 10
+    r = compare.compare(a, b)
+    assert r.identical and r.code == 0 and r.max_loss_gap == 0.0, compare.describe(r)
+    assert r.digests_equal == [0, 10, 20] and r.steps == list(range(20))
+    assert repro_main(["compare", str(a), str(b)]) == 0 and (b / "compare.png").stat().st_size > 0
+
+
+def test_a_changed_learning_rate_or_data_seed_is_caught(tmp_path, small, capsys):
+    base = train(tmp_path / "base", small)
+    lr = train(tmp_path / "lr", small, **{"optim.learning_rate": 3.3e-3})  # tiny's is 3e-3
+    seed = train(tmp_path / "seed", small, **{"data.seed": 1})
+
+    # The first loss that can differ is that of the step after the first update whose
+    # learning rate differs (warmup starts at 0, so step 0's updates are both zero).
+    opt = load("tiny").optim
+    sched_a = learning_rate_schedule(opt, 20)
+    sched_b = learning_rate_schedule(dataclasses.replace(opt, learning_rate=3.3e-3), 20)
+    first_lr = next(s for s in range(20) if float(sched_a(s)) != float(sched_b(s)))
+    r = compare.compare(base, lr)
+    assert not r.void and r.first_data_diff is None and r.init_equal
+    assert r.first_loss_diff == first_lr + 1, compare.describe(r)
+    assert r.code == compare.OUT_OF_TOLERANCE and r.max_loss_gap > 10 * compare.LOSS_RTOL
+    assert r.config_diff == {"optim.learning_rate": (3e-3, 3.3e-3)}
+    assert repro_main(["compare", str(base), str(lr), "--plot", str(tmp_path / "lr.png")]) == 1
+    assert "OUT OF TOLERANCE" in capsys.readouterr().out and (tmp_path / "lr.png").exists()
+
+    # The first step whose global batch differs, found from the data pipeline itself.
+    sources = [data.build(load("tiny", {**SMALL, "data.seed": str(s)})).train for s in (0, 1)]
+    rows = lambda src, s: src.rows(s * 16 + np.arange(16))  # noqa: E731
+    first_data = next(s for s in range(20) if any(not np.array_equal(rows(sources[0], s)[k], rows(sources[1], s)[k])
+                                                  for k in rows(sources[0], s)))
+    r = compare.compare(base, seed)
+    assert r.void and "data differ" in r.void and r.first_data_diff == first_data
+    assert repro_main(["compare", str(base), str(seed)]) == compare.VOID
+    assert f"FIRST DIFFERS AT STEP {first_data}" in capsys.readouterr().out
