@@ -68,19 +68,24 @@ def plan(cfg: Config, stand_in: str = "", host: str = "127.0.0.1") -> list[runti
 
 def process_env(settings: runtime.ProcessSettings, island, first_device: int, base=None) -> dict[str, str]:
     """The environment of one process: the settings, its platform and its devices."""
-    env = dict(os.environ if base is None else base)
+    env = device_env(settings.platform(island), island.devices_per_process, first_device, base)
     env.update(settings.to_env())
+    return env
+
+
+def device_env(platform: str, devices: int, first_device: int = 0, base=None) -> dict[str, str]:
+    """An environment for `python -m hetjax...` from the repository on `devices` devices of
+    `platform`: that many virtual devices on CPU, GPUs first_device.. otherwise."""
+    env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the log as they are printed
-    platform = settings.platform(island)
     env["JAX_PLATFORMS"] = platform
     if platform == "cpu":
         flags = [f for f in env.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]
-        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={island.devices_per_process}"])
+        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
     else:  # several processes of GPU islands on one machine: each takes its own GPUs
-        ids = range(first_device, first_device + island.devices_per_process)
-        env[_VISIBLE[platform]] = ",".join(map(str, ids))
+        env[_VISIBLE[platform]] = ",".join(map(str, range(first_device, first_device + devices)))
     return env
 
 
@@ -204,7 +209,9 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
 def _supervise(procs: list[Process], timeout_s: float, stop: list, say) -> int:
     """Waits for the job; on the first failure (or a signal to the launcher) stops the rest."""
     failed, deadline, seen = None, None, set()
-    while any(p.popen.poll() is None for p in procs):
+
+    def look():
+        nonlocal failed, deadline
         for p in procs:
             code = p.popen.poll()
             if code is None or p.settings.tag in seen:
@@ -217,6 +224,9 @@ def _supervise(procs: list[Process], timeout_s: float, stop: list, say) -> int:
                 deadline = time.monotonic() + timeout_s
             elif failed is not None:
                 say(f"{p.settings.tag} stopped by itself with {_status(code)}")
+
+    while any(p.popen.poll() is None for p in procs):
+        look()
         if stop and deadline is None:
             say(f"got signal {stop[0]}: stopping the job (SIGTERM to every process)")
             for p in procs:
@@ -224,19 +234,14 @@ def _supervise(procs: list[Process], timeout_s: float, stop: list, say) -> int:
             deadline = time.monotonic() + timeout_s
         if deadline is not None and time.monotonic() > deadline:
             _terminate(procs, say)
+            seen.update(p.settings.tag for p in procs)
             break
         time.sleep(0.05)
+    look()
     if failed is not None:
         p, code = failed
         return code if code > 0 else 128 - code
-    if stop:
-        return 128 + stop[0]
-    bad = [(p, p.popen.returncode) for p in procs if p.popen.returncode]
-    if bad:  # failed after the loop last looked
-        p, code = bad[0]
-        say(f"island {p.settings.island} rank {p.settings.process_id} exited with {code}")
-        return code if code > 0 else 128 - code
-    return 0
+    return 128 + stop[0] if stop else 0
 
 
 def _status(code: int) -> str:

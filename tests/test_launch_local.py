@@ -19,10 +19,10 @@ CONFIG = """
 from hetjax.config import Config, HeteroConfig, IslandConfig, MeshConfig, ModelConfig
 
 def get_config():
-    return Config(model=ModelConfig(num_layers=3), steps=4, batch_size=48, seq_len=16,
+    return Config(model=ModelConfig(num_layers=3), steps=4, batch_size=16, seq_len=16,
                   run_dir={run_dir!r}, hetero=HeteroConfig(islands=(
                       IslandConfig(name="a", num_processes=2, devices_per_process=2),
-                      IslandConfig(name="b", platform="rocm", num_processes=1, devices_per_process=3)),
+                      IslandConfig(name="b", platform="rocm", num_processes=1, devices_per_process=2)),
                       timeout_s=1.0))
 """
 
@@ -55,7 +55,7 @@ def test_plan_gives_distinct_ports_and_settings_round_trip_through_the_environme
 
 
 def test_link_addresses_leave_room_for_every_link(tmp_path):
-    text = CONFIG.replace('devices_per_process=3)),', 'devices_per_process=3),\n'
+    text = CONFIG.replace('devices_per_process=2)),', 'devices_per_process=2),\n'
                           '                      IslandConfig(name="c")),')
     path = tmp_path / "three.py"
     path.write_text(text.format(run_dir=str(tmp_path / "run")))
@@ -97,7 +97,7 @@ def test_process_environment_gives_each_process_its_devices(cfg_path):
     assert env["XLA_FLAGS"] == "--x=1 --xla_force_host_platform_device_count=2" and env["JAX_PLATFORMS"] == "cpu"
     real = runtime.ProcessSettings("b", 0, 1, "h:1", s["b:0"].transfer)  # no stand-in: the island's ROCm
     env = local.process_env(real, b, 3, {})
-    assert env["HIP_VISIBLE_DEVICES"] == "3,4,5" and env["JAX_PLATFORMS"] == "rocm"
+    assert env["HIP_VISIBLE_DEVICES"] == "3,4" and env["JAX_PLATFORMS"] == "rocm"
 
 
 def test_bad_launcher_input_is_refused_before_anything_starts(cfg_path, tmp_path):
@@ -138,7 +138,7 @@ def test_a_job_of_dummy_processes_runs_with_prefixed_output_and_log_files(cfg_pa
                      island_overrides={"b": {"seed": "7"}}, out=out)
     assert code == 0, out.getvalue()
     lines = out.getvalue().splitlines()
-    for tag, devices, seed in (("a:0", 2, None), ("a:1", 2, None), ("b:0", 3, "7")):
+    for tag, devices, seed in (("a:0", 2, None), ("a:1", 2, None), ("b:0", 2, "7")):
         want = f"[{tag}] hello from {tag} --xla_force_host_platform_device_count={devices} seed {seed}"
         assert want in lines
         assert f"[{tag}] to stderr" in lines
@@ -191,8 +191,8 @@ def test_islands_are_separate_jax_distributed_worlds_with_gloo(cfg_path):
     code = local.run(cfg_path, stand_in="cpu", timeout_s=30, command=[sys.executable, "-c", JAX_WORKLOAD], out=out)
     text = out.getvalue()
     assert code == 0, text
-    # Island a: 2 processes x 2 devices holding [0, 1] and [10, 11]; island b alone: [0, 1, 2].
-    for tag, want in (("a:0", 22.0), ("a:1", 22.0), ("b:0", 3.0)):
+    # Island a: 2 processes x 2 devices holding [0, 1] and [10, 11]; island b alone: [0, 1].
+    for tag, want in (("a:0", 22.0), ("a:1", 22.0), ("b:0", 1.0)):
         n = 2 if tag.startswith("a") else 1
         assert f"[{tag}] step 1 sum {want} of {n}" in text, text
 

@@ -1,0 +1,103 @@
+"""Islands as real processes started by launch.local (one jax.distributed world per island,
+gloo inside it, `host` transfers between islands): the same losses as the single-island
+pipelined run, a killed process stops the whole job, and islands with different configs
+refuse to start."""
+
+import io
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from hetjax import checkpoint, train
+from launch import local
+
+CONFIG = """
+import dataclasses
+from hetjax.config import (Config, DataConfig, HeteroConfig, IslandConfig, MeshConfig, ModelConfig,
+                           OptimConfig, PipelineConfig)
+
+def get_config():
+    island = IslandConfig(num_processes={processes}, devices_per_process={devices},
+                          mesh=MeshConfig(fsdp=4))
+    return Config(
+        model=ModelConfig(vocab_size=64, num_layers=2, embed_dim=32, mlp_dim=64, num_heads=2,
+                          num_kv_heads=1, head_dim=16, rope_theta=10_000.0),
+        optim=OptimConfig(learning_rate=1e-2, warmup_steps=2),
+        data=DataConfig(num_states=8, branching=4, mean_doc_length=12, num_documents=500),
+        pipeline=PipelineConfig(schedule="1f1b", microbatches=2),
+        steps=10, batch_size=8, seq_len=16, log_every=1, eval_every=0, tensorboard=False,
+        hetero=HeteroConfig(islands=(dataclasses.replace(island, name="cuda", platform="cuda"),
+                                     dataclasses.replace(island, name="rocm", platform="rocm"))))
+"""
+
+
+def write_config(tmp_path, processes):
+    path = tmp_path / f"islands{processes}.py"
+    path.write_text(CONFIG.format(processes=processes, devices=4 // processes))
+    return str(path)
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_two_islands_of_two_processes_give_the_single_island_pipelines_losses(tmp_path):
+    path = write_config(tmp_path, processes=2)  # 2 islands x 2 processes x 2 CPU devices
+    code = local.run(path, {"run_dir": str(tmp_path / "islands")}, stand_in="cpu", backend="host")
+    assert code == 0, (tmp_path / "islands" / "logs" / "cuda-0.log").read_text()[-3000:]
+    # The same model on one island: this process's 8 devices, the SPMD pipeline over 2 stages.
+    assert train.main(["--config", path, "--config.hetero.islands=()", "--config.mesh.pipeline=2",
+                       "--config.mesh.fsdp=4", f"--config.run_dir={tmp_path / 'one'}"]) == 0
+    want = losses(tmp_path / "one")
+    assert sorted(want) == list(range(10))
+    for where in ("islands", "islands/islands/cuda-1", "islands/islands/rocm-0", "islands/islands/rocm-1"):
+        got = losses(tmp_path / where)  # every process reports the job's loss
+        assert sorted(got) == list(range(10)), where
+        for s in want:
+            assert got[s] == pytest.approx(want[s], rel=1e-5), (where, s, got[s], want[s])
+    assert want[9] < want[0] - 0.2  # it trained
+
+
+def test_a_killed_process_stops_every_island_and_no_later_checkpoint_counts(tmp_path):
+    path = write_config(tmp_path, processes=1)
+    run_dir = tmp_path / "run"
+    killed = {}
+
+    def on_line(proc, line):  # kill rocm's process once it has reported step 3
+        if proc.settings.tag == "rocm:0" and line.startswith("step 3:") and not killed:
+            killed["at"] = time.monotonic()
+            os.kill(proc.popen.pid, signal.SIGKILL)
+
+    # A link waits up to 20 s (above a first step's compile on a busy 2-core machine); the
+    # launcher gives the survivors 30 s after the kill before it would send SIGTERM.
+    timeout = 30.0
+    code = local.run(path, {"run_dir": str(run_dir), "steps": "40", "checkpoint.every": "2",
+                            "hetero.timeout_s": str(timeout), "hetero.link.timeout_s": "20"},
+                     stand_in="cpu", on_line=on_line, out=(out := io.StringIO()))
+    took = time.monotonic() - killed["at"]
+    assert code == 128 + signal.SIGKILL
+    assert "[launch] island rocm rank 0 exited with signal 9" in out.getvalue()
+    cuda = (run_dir / "logs" / "cuda-0.log").read_text()
+    assert "island rocm (rank 0) stopped answering island cuda" in cuda, cuda[-3000:]
+    # cuda stopped by itself (no SIGTERM needed): its wait for rocm timed out.
+    launch_lines = [line for line in out.getvalue().splitlines() if line.startswith("[launch]")]
+    assert "[launch] cuda:0 stopped by itself with 1" in launch_lines and took < timeout, (launch_lines, took)
+    # A step counts when every island holds it; none after the kill does.
+    held = [set(checkpoint.Manager(run_dir / "checkpoints" / name).steps()) for name in ("cuda", "rocm")]
+    reported = max(losses(run_dir / "islands" / "rocm-0"))
+    assert held[0] & held[1] and max(held[0] & held[1]) <= reported + 1, (held, reported)
+
+
+def test_islands_whose_configs_disagree_refuse_to_start_naming_the_difference(tmp_path):
+    path = write_config(tmp_path, processes=1)
+    run_dir = tmp_path / "run"
+    code = local.run(path, {"run_dir": str(run_dir)}, stand_in="cpu", island_overrides={"rocm": {"seed": "1"}},
+                     out=open(os.devnull, "w"))
+    assert code != 0
+    logs = "".join((run_dir / "logs" / f"{i}-0.log").read_text() for i in ("cuda", "rocm"))
+    assert "seed" in logs and "differs" in logs, logs[-3000:]
+    assert not (run_dir / "metrics.jsonl").exists() or not losses(run_dir)  # not a single step ran
