@@ -6,6 +6,7 @@ refuse to start."""
 import io
 import json
 import os
+import re
 import signal
 import time
 
@@ -82,7 +83,7 @@ def test_a_killed_process_stops_every_island_and_no_later_checkpoint_counts(tmp_
     assert code == 128 + signal.SIGKILL
     assert "[launch] island rocm rank 0 exited with signal 9" in out.getvalue()
     cuda = (run_dir / "logs" / "cuda-0.log").read_text()
-    assert "island rocm (rank 0) stopped answering island cuda" in cuda, cuda[-3000:]
+    assert re.search(r"island rocm \(rank 0\b[^)]*\) stopped answering island cuda", cuda), cuda[-3000:]
     # cuda stopped by itself (no SIGTERM needed): its wait for rocm timed out.
     launch_lines = [line for line in out.getvalue().splitlines() if line.startswith("[launch]")]
     assert "[launch] cuda:0 stopped by itself with 1" in launch_lines and took < timeout, (launch_lines, took)
