@@ -170,7 +170,7 @@ def test_a_silent_island_is_a_timeout_naming_it():
     links = Links(cfg, 0)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1),
                              ("pipeline", "data", "fsdp", "tensor"))
-    with pytest.raises(IslandLost, match="island b \\(rank 0; .*\\) stopped answering island a"):
+    with pytest.raises(IslandLost, match="island b \\(rank 0\\) stopped answering island a"):
         links.gather(np.zeros(2, np.float32), "never-sent", mesh)
 
 

@@ -85,9 +85,10 @@ class Links:
             return handle.wait()
         except TransferTimeout as e:
             spec = self.cfg.hetero.islands[j]
+            # With several processes, the transfer's own message names the one that fell silent.
             ranks = f"one of ranks 0..{spec.num_processes - 1}" if spec.num_processes > 1 else "rank 0"
-            raise IslandLost(f"island {self.names[j]} ({ranks}; the error names its process) stopped "
-                             f"answering island {self.names[self.k]}: {e}") from e
+            raise IslandLost(f"island {self.names[j]} ({ranks}) stopped answering island "
+                             f"{self.names[self.k]}: {e}") from e
         except TransferError as e:
             raise TransferError(f"link from island {self.names[self.k]} to island {self.names[j]}: {e}") from e
         finally:
