@@ -69,6 +69,14 @@ def geometry(cfg, k: int) -> Geometry:
     return Geometry.of(cfg.hetero.islands[k], cfg.hetero.virtual)
 
 
+def put(value, mesh: Mesh) -> jax.Array:
+    """A small host value as an array replicated over `mesh`; every process of the
+    island holds the same value (jax.device_put of a local array cannot span processes)."""
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, NamedSharding(mesh, PartitionSpec()),
+                                        lambda index: host[index])
+
+
 def make_mesh(geometry: Geometry, devices) -> Mesh:
     """The island's Mesh over `devices`, in the (process, id) order Geometry assumes."""
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
@@ -81,7 +89,7 @@ def make_mesh(geometry: Geometry, devices) -> Mesh:
 
 def island_config(cfg, k: int):
     """The job's config as island k sees it: its own mesh and platform; no gradient
-    clipping inside the optimizer, because the norm is the whole job's (hetero.step)."""
+    clipping inside the optimizer, because the norm is the whole job's (hetero.update)."""
     spec = cfg.hetero.islands[k]
     out = dataclasses.replace(cfg, mesh=spec.mesh, optim=dataclasses.replace(cfg.optim, grad_clip_norm=0.0),
                               compile=dataclasses.replace(cfg.compile, platform=spec.platform))
@@ -125,11 +133,15 @@ def part(params, k: int, n: int, layers: tuple[int, int], tied: bool):
         lambda p, x: x[start:stop] if top_name(p) == BLOCKS else other(p, x), params)
 
 
+def counts(name: str, k: int, n: int, tied: bool) -> bool:
+    """Does island k count the top-level parameter `name` in job-wide sums (the gradient
+    norm, the parameter fingerprint)? Its blocks always; a shared leaf on its first holder."""
+    return name == BLOCKS or holders(name, n, tied)[0] == k
+
+
 def owned(params, k: int, n: int, tied: bool):
-    """A mask tree: True where island k is the one that counts this leaf in the
-    gradient norm (blocks always; a shared leaf only on its first holder)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: top_name(p) == BLOCKS or holders(top_name(p), n, tied)[0] == k, params)
+    """A mask tree: True where island k counts the leaf (see counts)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: counts(top_name(p), k, n, tied), params)
 
 
 def shared(params, n: int, tied: bool) -> list[str]:
@@ -202,9 +214,7 @@ class Island:
         return self.program(jax.jit(fn, **jit_kwargs).lower(*abstract_args).compile())
 
     def put(self, value) -> jax.Array:
-        """A small host value as a replicated array of the island (every process holds it)."""
-        host = np.asarray(value)
-        return jax.make_array_from_callback(host.shape, self.replicated(), lambda index: host[index])
+        return put(value, self.mesh)
 
     def like(self, shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding or self.replicated())

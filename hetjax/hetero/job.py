@@ -147,7 +147,7 @@ class Worker:
         else:
             n, tied = isl.count, isl.cfg.model.tie_embeddings
             kept = [(p, v) for p, v in nnx.to_flat_state(state.params)
-                    if p[0] == island_lib.BLOCKS or island_lib.holders(p[0], n, tied)[0] == isl.index]
+                    if island_lib.counts(p[0], isl.index, n, tied)]
             part = repro.param_fingerprint(nnx.from_flat_state(kept), layer_offset=isl.layers[0])
         return {k: (t.hash, t.norm) for k, t in part.tensors.items()}
 

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetjax.hetero import runtime
-from hetjax.hetero.island import geometry
+from hetjax.hetero.island import geometry, put
 from hetjax.transfer import TransferError, TransferTimeout, local, open_endpoint
 
 
@@ -94,13 +94,16 @@ class Links:
         finally:
             self.transfer_seconds += time.perf_counter() - t
 
-    def all_to_all(self, tree, what: str, src_layouts_of, dst_layouts_of, like) -> list:
+    def all_to_all(self, tree, what: str, src_layouts_of, dst_layouts_of, like, among=None) -> list:
         """Every island's `tree`, in island order (ours included as given): we send ours to
-        every other island and receive theirs. *_layouts_of(j): island j's layouts of it."""
-        sends = [(j, self.send(j, tree, what, dst_layouts_of(j))) for j in self.endpoints]
-        recvs = {j: self.recv(j, what, like, src_layouts_of(j)) for j in self.endpoints}
+        every other island (of `among`, default all) and receive theirs.
+        *_layouts_of(j): island j's layouts of it."""
+        among = range(self.n) if among is None else among
+        others = [j for j in among if j != self.k]
+        sends = [(j, self.send(j, tree, what, dst_layouts_of(j))) for j in others]
+        recvs = {j: self.recv(j, what, like, src_layouts_of(j)) for j in others}
         try:
-            out = [tree if j == self.k else self.wait(recvs[j], j) for j in range(self.n)]
+            out = [tree if j == self.k else self.wait(recvs[j], j) for j in among]
         except IslandLost:
             self.raise_failed_sends(sends)
             raise
@@ -121,8 +124,7 @@ class Links:
         if isinstance(values, jax.Array) and values.committed:  # already a global array of the island
             mine = jax.device_put(values, replicated)
         else:  # host values: every process of the island holds them (the same everywhere)
-            host = np.asarray(values)
-            mine = jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
+            mine = put(values, mesh)
 
         def layout(j):
             return geometry(self.cfg, j).layout(PartitionSpec())
@@ -131,8 +133,9 @@ class Links:
         got = self.all_to_all(mine, what, layout, layout, like)
         return np.stack([np.asarray(jax.device_get(x)) for x in got])
 
-    def totals(self, values, what: str, mesh) -> np.ndarray:
-        """Every island's float32 `values` added in island order (the same on every island)."""
+    def totals(self, values, what: str, mesh) -> tuple[np.ndarray, np.ndarray]:
+        """(every island's float32 `values` added in island order, the same on every island;
+        the (islands, ...) table they were added from)."""
         table = self.gather(jnp.asarray(values, jnp.float32), what, mesh).astype(np.float64)
         return table.sum(0), table
 

@@ -138,18 +138,13 @@ class PipelineStage:
         mine = {key: x for key, x, keep in zip(keys, leaves, is_shared) if keep}
         shard = {key: s for key, s, keep in zip(keys, shards, is_shared) if keep}
         like = {key: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard[key]) for key, x in mine.items()}
-        holders = island_lib.holders(self.shared[0], n, self.tied)
+        specs = island_lib.specs(shard)
 
         def layouts(j):
-            geometry = island_lib.geometry(isl.cfg, j)
-            return {key: geometry.layout(s.spec) for key, s in shard.items()}
+            return island_lib.remote_layouts(isl.cfg, j, specs)
 
-        others = [j for j in holders if j != isl.index]
-        sends = [(j, self.links.send(j, mine, f"{what}/shared", layouts(j))) for j in others]
-        recvs = {j: self.links.recv(j, f"{what}/shared", like, layouts(j)) for j in others}
-        parts = [mine if j == isl.index else self.links.wait(recvs[j], j) for j in holders]
-        for j, h in sends:
-            self.links.wait(h, j)
+        parts = self.links.all_to_all(mine, f"{what}/shared", layouts, layouts, like,
+                                      among=island_lib.holders(self.shared[0], n, self.tied))
         total = self._add(parts)
         return jax.tree.unflatten(treedef, [total[key] if keep else x
                                             for key, x, keep in zip(keys, leaves, is_shared)])
