@@ -3,9 +3,11 @@
     python -m launch.local --config configs/X.py [--config.KEY=VALUE ...] [--stand_in cpu]
                            [--backend host|direct]
 
-Every process of every island runs `python -m hetjax.train` with its own environment
-(hetjax.hetero.runtime.ProcessSettings.to_env(): island, rank, the island's coordinator,
-every process's transfer address; and the devices it may use). Each output line is
+Every process of every island runs `python -m hetjax.train` with its own environment:
+its island and rank, every process's host (all this machine) and the job's first port
+(hetjax.hetero.scheduler's HETJAX_* variables, from which each process derives its
+coordinator and transfer addresses exactly as on a SLURM or Kubernetes cluster), and
+the devices it may use. Each output line is
 echoed as `[island:rank] ...` and kept in run_dir/logs/<island>-<rank>.log. When a
 process exits non-zero, the others get config.hetero.timeout_s to stop by themselves
 (a dead peer makes them fail with their own timeout errors), then SIGTERM, then SIGKILL.
@@ -27,8 +29,7 @@ from pathlib import Path
 
 from hetjax import config as config_lib
 from hetjax.config import Config, ConfigError
-from hetjax.hetero import runtime
-from hetjax.transfer.link import address
+from hetjax.hetero import runtime, scheduler
 
 REPO = Path(__file__).resolve().parent.parent
 KILL_GRACE_S = 10.0  # after SIGTERM, before SIGKILL
@@ -54,22 +55,21 @@ def free_ports(count: int, span: int = 1, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
-def plan(cfg: Config, stand_in: str = "", host: str = "127.0.0.1") -> list[runtime.ProcessSettings]:
-    """Settings of every process of the job: a coordinator per island, a transfer base port
-    per process with room for one port per link (runtime.link_address)."""
+def plan(cfg: Config, stand_in: str = "", host: str = "127.0.0.1") -> list[scheduler.Placement]:
+    """Every process of the job, all on `host`, with a free block of ports for the job (the
+    same block layout as on a cluster: hetero.scheduler.settings)."""
     islands = cfg.hetero.islands
     total = sum(i.num_processes for i in islands)
-    coordinators = free_ports(len(islands), host=host)
-    bases = iter(free_ports(total, runtime.num_links(cfg), host))
-    transfer = {i.name: tuple(address(host, next(bases)) for _ in range(i.num_processes)) for i in islands}
-    return [runtime.ProcessSettings(i.name, p, i.num_processes, address(host, port), transfer, stand_in)
-            for i, port in zip(islands, coordinators) for p in range(i.num_processes)]
+    port = free_ports(1, total * (1 + runtime.num_links(cfg)), host)[0]
+    hosts = {i.name: (host,) * i.num_processes for i in islands}
+    return [scheduler.Placement("hetjax", i.name, rank, hosts, port, stand_in)
+            for i in islands for rank in range(i.num_processes)]
 
 
-def process_env(settings: runtime.ProcessSettings, island, first_device: int, base=None) -> dict[str, str]:
-    """The environment of one process: the settings, its platform and its devices."""
-    env = device_env(settings.platform(island), island.devices_per_process, first_device, base)
-    env.update(settings.to_env())
+def process_env(placement: scheduler.Placement, island, first_device: int, base=None) -> dict[str, str]:
+    """The environment of one process: where it runs (HETJAX_*), its platform and devices."""
+    env = device_env(placement.stand_in or island.platform, island.devices_per_process, first_device, base)
+    env.update(placement.to_env())
     return env
 
 
@@ -177,13 +177,14 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
         for sig in (signal.SIGINT, signal.SIGTERM):
             handlers[sig] = signal.signal(sig, lambda s, _: stop.append(s))
     try:
-        for s in plan(cfg, stand_in):
+        for placement in plan(cfg, stand_in):
+            s = scheduler.settings(placement, cfg)  # as the process itself will derive them
             island = islands[s.island]
             first = next_device.get(s.platform(island), 0)
             next_device[s.platform(island)] = first + island.devices_per_process
             args = [f"--config.{k}={v}" for k, v in {**overrides, **(island_overrides or {}).get(s.island, {})}.items()]
             popen = subprocess.Popen(command + ["--config", config] + args, cwd=os.getcwd(),
-                                     env=process_env(s, island, first, shared), stdout=subprocess.PIPE,
+                                     env=process_env(placement, island, first, shared), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, errors="replace",
                                      start_new_session=True)
             proc = Process(s, popen, None)

@@ -1,6 +1,7 @@
 """launch.local and hetero.runtime: settings through the environment, and a job of
 dummy processes (no jax) that is prefixed, logged, and stopped as a whole when one fails."""
 
+import dataclasses
 import io
 import json
 import os
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from hetjax.config import ConfigError
-from hetjax.hetero import runtime
+from hetjax.hetero import runtime, scheduler
 from launch import local
 
 CONFIG = """
@@ -35,10 +36,14 @@ def cfg_path(tmp_path):
 
 
 def settings_of(cfg):
-    return {s.tag: s for s in local.plan(cfg, stand_in="cpu")}
+    return {s.tag: s for s in (scheduler.settings(p, cfg) for p in local.plan(cfg, stand_in="cpu"))}
 
 
-def test_plan_gives_distinct_ports_and_settings_round_trip_through_the_environment(cfg_path):
+def env_of(cfg, tag):
+    return next(p.to_env() for p in local.plan(cfg, stand_in="cpu") if f"{p.island}:{p.rank}" == tag)
+
+
+def test_plan_gives_distinct_ports_and_the_processes_derive_the_launchers_settings(cfg_path):
     cfg, _ = local.job_config(cfg_path, {"hetero.placement": "pipeline"}, "host")
     assert cfg.hetero.virtual is False and cfg.hetero.link.backend == "host"
     plan = settings_of(cfg)
@@ -47,11 +52,14 @@ def test_plan_gives_distinct_ports_and_settings_round_trip_through_the_environme
     # 2 islands: 1 link, and the processes' base ports differ.
     ports = [runtime.link_address(plan["a:0"], i, p, 0) for i, n in (("a", 2), ("b", 1)) for p in range(n)]
     assert len(set(ports)) == 3 and all(a.startswith("127.0.0.1:") for a in ports)
-    for s in plan.values():
-        env = s.to_env()
+    for placement in local.plan(cfg, stand_in="cpu"):
+        env = placement.to_env()
         assert all(isinstance(v, str) for v in env.values())
-        assert runtime.from_env(env, cfg) == s
-    assert runtime.from_env({}, cfg) is None
+        assert scheduler.placement_from_env(env, cfg) == placement
+        mine = scheduler.from_env(env, cfg)
+        assert dataclasses.replace(mine, coordinator="", transfer={}) == dataclasses.replace(
+            plan[mine.tag], coordinator="", transfer={})
+    assert scheduler.from_env({}, cfg) is None
 
 
 def test_link_addresses_leave_room_for_every_link(tmp_path):
@@ -61,7 +69,7 @@ def test_link_addresses_leave_room_for_every_link(tmp_path):
     path.write_text(text.format(run_dir=str(tmp_path / "run")))
     cfg, _ = local.job_config(str(path), {}, None)
     assert runtime.num_links(cfg) == 3 and cfg.hetero.link.backend == "host"  # a-b, b-c, a-c
-    s = local.plan(cfg)[0]
+    s = scheduler.settings(local.plan(cfg)[0], cfg)
     used = [runtime.link_address(s, i.name, p, k) for i in cfg.hetero.islands
             for p in range(i.num_processes) for k in range(3)]
     assert len(set(used)) == len(used) == 12  # (2 + 1 + 1) processes x 3 links, no port twice
@@ -70,21 +78,22 @@ def test_link_addresses_leave_room_for_every_link(tmp_path):
 
 
 @pytest.mark.parametrize("change, names", [
-    ({runtime.ISLAND: "z"}, ["HETJAX_ISLAND", "'z'", "a, b"]),
-    ({runtime.PROCESS_ID: "2"}, ["HETJAX_PROCESS_ID", "'2'", "0..1"]),
-    ({runtime.PROCESS_ID: "x"}, ["HETJAX_PROCESS_ID", "'x'"]),
-    ({runtime.COORDINATOR: "localhost"}, ["HETJAX_COORDINATOR", "'localhost'", "host:port"]),
-    ({runtime.TRANSFER_ADDRESSES: "[1"}, ["HETJAX_TRANSFER_ADDRESSES", "JSON"]),
-    ({runtime.TRANSFER_ADDRESSES: json.dumps({"a": ["h:1", "h:2"]})}, ["HETJAX_TRANSFER_ADDRESSES", "per island"]),
-    ({runtime.TRANSFER_ADDRESSES: json.dumps({"a": ["h:1"], "b": ["h:3"]})}, ["island 'a'", "2 process"]),
-    ({runtime.TRANSFER_ADDRESSES: json.dumps({"a": ["h:1", "h:x"], "b": ["h:3"]})}, ["'h:x'", "host:port"]),
-    ({runtime.STAND_IN: "gpu"}, ["HETJAX_STAND_IN", "'gpu'"]),
+    ({scheduler.ISLAND: "z"}, ["HETJAX_ISLAND", "'z'", "a, b"]),
+    ({scheduler.PROCESS_ID: "2"}, ["HETJAX_PROCESS_ID", "'2'", "0..1"]),
+    ({scheduler.PROCESS_ID: "x"}, ["HETJAX_PROCESS_ID", "'x'"]),
+    ({scheduler.HOSTS: "[1"}, ["HETJAX_HOSTS", "JSON"]),
+    ({scheduler.HOSTS: json.dumps({"a": ["h", "h"]})}, ["HETJAX_HOSTS", "every island"]),
+    ({scheduler.HOSTS: json.dumps({"a": ["h"], "b": ["h"]})}, ["island 'a'", "2 process"]),
+    ({scheduler.HOSTS: json.dumps({"a": ["h", ""], "b": ["h"]})}, ["island 'a'", "one host"]),
+    ({scheduler.PORT: "0"}, ["HETJAX_PORT", "'0'", "first port"]),
+    ({scheduler.PORT: "65534"}, ["HETJAX_PORT=65534", "65534..65539", "at most 65530"]),
+    ({scheduler.STAND_IN: "gpu"}, ["HETJAX_STAND_IN", "'gpu'"]),
 ])
 def test_bad_environment_is_a_named_config_error(cfg_path, change, names):
     cfg, _ = local.job_config(cfg_path, {}, None)
-    env = dict(settings_of(cfg)["a:1"].to_env(), **change)
+    env = dict(env_of(cfg, "a:1"), **change)
     with pytest.raises(ConfigError) as e:
-        runtime.from_env(env, cfg)
+        scheduler.from_env(env, cfg)
     for name in names:
         assert name in str(e.value)
 
@@ -92,10 +101,10 @@ def test_bad_environment_is_a_named_config_error(cfg_path, change, names):
 def test_process_environment_gives_each_process_its_devices(cfg_path):
     cfg, _ = local.job_config(cfg_path, {}, None)
     a, b = cfg.hetero.islands
-    s = settings_of(cfg)
+    s = {f"{p.island}:{p.rank}": p for p in local.plan(cfg, stand_in="cpu")}
     env = local.process_env(s["a:1"], a, 2, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --x=1"})
     assert env["XLA_FLAGS"] == "--x=1 --xla_force_host_platform_device_count=2" and env["JAX_PLATFORMS"] == "cpu"
-    real = runtime.ProcessSettings("b", 0, 1, "h:1", s["b:0"].transfer)  # no stand-in: the island's ROCm
+    real = dataclasses.replace(s["b:0"], stand_in="")  # no stand-in: the island's ROCm
     env = local.process_env(real, b, 3, {})
     assert env["HIP_VISIBLE_DEVICES"] == "3,4" and env["JAX_PLATFORMS"] == "rocm"
 
@@ -117,9 +126,9 @@ def test_bad_launcher_input_is_refused_before_anything_starts(cfg_path, tmp_path
 DUMMY = textwrap.dedent("""
     import os, signal, sys, time
     from hetjax import config
-    from hetjax.hetero import runtime
+    from hetjax.hetero import scheduler
     args = config.parse_command_line(sys.argv[1:])
-    s = runtime.from_env(os.environ, config.load(args.config, args.overrides))
+    s = scheduler.from_env(os.environ, config.load(args.config, args.overrides))
     print("hello from", s.tag, os.environ["XLA_FLAGS"].split()[-1], "seed", args.overrides.get("seed"), flush=True)
     print("to stderr", file=sys.stderr, flush=True)
     if s.tag == "b:0" and os.environ.get("FAIL"):
@@ -165,10 +174,10 @@ def test_one_failing_process_stops_the_whole_job_within_the_timeout(cfg_path, mo
 JAX_WORKLOAD = textwrap.dedent("""
     import os, signal, sys, time
     from hetjax import config
-    from hetjax.hetero import runtime
+    from hetjax.hetero import runtime, scheduler
     args = config.parse_command_line(sys.argv[1:])
     cfg = config.load(args.config, args.overrides)
-    s = runtime.from_env(os.environ, cfg)
+    s = scheduler.from_env(os.environ, cfg)
     island = {i.name: i for i in cfg.hetero.islands}[s.island]
     runtime.initialize(s, island, cfg.hetero.timeout_s)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as hetjax.train; jax's own handler waits

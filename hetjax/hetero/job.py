@@ -33,6 +33,7 @@ from hetjax.config import ConfigError
 from hetjax.hetero import island as island_lib
 from hetjax.hetero import placement
 from hetjax.hetero import runtime
+from hetjax.hetero import scheduler
 from hetjax.hetero.links import IslandLost, Links
 from hetjax.hetero.pipelined import PipelineStage
 from hetjax.hetero.profile import seconds_per_layer
@@ -54,16 +55,16 @@ def start(cfg) -> tuple[str, object]:
             if "xla_force_host_platform_device_count" not in flags:
                 backend.virtual_cpu_devices(need)
         return line + " (virtual islands: every island runs on a share of this process's devices)", None
-    settings = runtime.ProcessSettings.from_env(os.environ, cfg)
+    settings = scheduler.from_env(os.environ, cfg)
     if settings is None:
         raise ConfigError("config.hetero.virtual=False: start the islands' processes with "
-                          "`python -m launch.local --config ...` (or a cluster launcher), which sets "
-                          "HETJAX_ISLAND and the other runtime variables")
+                          "`python -m launch.local --config ...`, launch/slurm/hetjob.sbatch or "
+                          "launch/k8s/jobset.yaml, which tell each process its island and rank")
     spec = next(i for i in cfg.hetero.islands if i.name == settings.island)
     platform = settings.stand_in or spec.platform
     line = backend.start(dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, platform=platform)))
     runtime.initialize(settings, spec, cfg.hetero.timeout_s)
-    where = f"island {settings.island} rank {settings.process_id}/{spec.num_processes}"
+    where = f"island {settings.island} rank {settings.process_id}/{spec.num_processes} (from {settings.source})"
     stand_in = f" standing in for {spec.platform}" if settings.stand_in else ""
     return f"{line}; {where} on {platform}{stand_in}", settings
 

@@ -60,11 +60,12 @@ class Links:
                 self.endpoints[j] = open_endpoint(link, process_index=0)
                 continue
             number = pair_index(k, j, self.n)
-            mine = runtime.link_address(settings, self.names[k], settings.process_id, number)
-            host, port = runtime.split_address(mine)
+            wait = cfg.hetero.timeout_s
+            host, port = runtime.split_address(runtime.listen_address(settings, number, wait))
             self.endpoints[j] = open_endpoint(dataclasses.replace(link, bind_address=host, port=port))
             spec = cfg.hetero.islands[j]
-            self.peers[j] = {p: (runtime.link_address(settings, self.names[j], p, number),)
+            self.peers[j] = {p: (runtime.resolve(runtime.link_address(settings, self.names[j], p, number), wait,
+                                                 f"island {self.names[j]} rank {p}'s transfer address"),)
                              for p in range(spec.num_processes)}
 
     def tag(self, src: int, dst: int, what: str) -> str:

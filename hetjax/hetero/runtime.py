@@ -1,12 +1,11 @@
-"""One process of an island: its settings (from the environment) and its jax.distributed start.
+"""One process of an island: its settings and its jax.distributed start.
 
 Each island is its own `jax.distributed` world with its own coordinator; processes of
 different islands meet only through the transfer primitive, at the addresses listed
-here. Launchers (launch/local.py; SLURM and Kubernetes recipes later) write the settings
-with `ProcessSettings.to_env()`, and every process reads them back with `from_env`: the
-one code path from environment to settings.
+here. hetero.scheduler derives the settings from the scheduler's environment (SLURM,
+Kubernetes, or launch.local's HETJAX_* variables).
 
-    settings = runtime.ProcessSettings.from_env(os.environ, cfg)   # None: not an islands job
+    settings = scheduler.from_env(os.environ, cfg)                  # None: not an islands job
     runtime.initialize(settings, island_cfg, cfg.hetero.timeout_s)  # before jax.devices()
     runtime.link_address(settings, "b", 0, link=0)   # "host:port" of a peer's endpoint
 """
@@ -15,19 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
+import ipaddress
 import math
 import socket
 import time
 
-from hetjax.config import PLATFORMS, Config, ConfigError, IslandConfig
+from hetjax.config import Config, ConfigError, IslandConfig
 from hetjax.transfer.link import address
-
-ISLAND = "HETJAX_ISLAND"
-PROCESS_ID = "HETJAX_PROCESS_ID"
-COORDINATOR = "HETJAX_COORDINATOR"
-TRANSFER_ADDRESSES = "HETJAX_TRANSFER_ADDRESSES"
-STAND_IN = "HETJAX_STAND_IN"
 
 
 class IslandStartError(RuntimeError):
@@ -46,6 +39,7 @@ class ProcessSettings:
     # process listens for link k on base port + k (see link_address).
     transfer: dict
     stand_in: str = ""  # run on this platform instead of the island's own ("cpu" here)
+    source: str = "hetjax"  # where these came from: hetjax | slurm | kubernetes (hetero.scheduler)
 
     @property
     def tag(self) -> str:
@@ -55,57 +49,6 @@ class ProcessSettings:
     def platform(self, island: IslandConfig) -> str:
         """The platform this process really runs on."""
         return self.stand_in or island.platform
-
-    def to_env(self) -> dict[str, str]:
-        """The environment variables that `from_env` reads back."""
-        return {ISLAND: self.island, PROCESS_ID: str(self.process_id), COORDINATOR: self.coordinator,
-                TRANSFER_ADDRESSES: json.dumps({k: list(v) for k, v in self.transfer.items()}),
-                STAND_IN: self.stand_in}
-
-    @classmethod
-    def from_env(cls, environ, cfg: Config) -> ProcessSettings | None:
-        """This process's settings, or None when HETJAX_ISLAND is unset (not an islands job).
-
-        Raises ConfigError naming the variable, its value and the fix when the environment
-        does not fit cfg.hetero.islands.
-        """
-        name = environ.get(ISLAND)
-        if name is None:
-            return None
-        islands = {i.name: i for i in cfg.hetero.islands}
-        if name not in islands:
-            raise ConfigError(f"{ISLAND}={name!r} is not an island of config.hetero.islands "
-                              f"({', '.join(islands) or 'none'}); set it to one of them, or unset it for "
-                              f"a single-island run")
-        island = islands[name]
-        text = environ.get(PROCESS_ID, "")
-        if not text.isdigit() or int(text) >= island.num_processes:
-            raise ConfigError(f"{PROCESS_ID}={text!r}: island {name!r} has {island.num_processes} "
-                              f"process(es); give this process's rank 0..{island.num_processes - 1}")
-        coordinator = environ.get(COORDINATOR, "")
-        split_address(coordinator, COORDINATOR)
-        text = environ.get(TRANSFER_ADDRESSES, "")
-        try:
-            transfer = json.loads(text)
-        except json.JSONDecodeError:
-            transfer = None
-        if not isinstance(transfer, dict) or set(transfer) != set(islands):
-            raise ConfigError(f"{TRANSFER_ADDRESSES}={text!r}: give a JSON object with one list of "
-                              f"host:port per island ({', '.join(islands)}), e.g. "
-                              f'{{"{name}": ["127.0.0.1:9000"], ...}}')
-        for key, addresses in transfer.items():
-            n = islands[key].num_processes
-            if not isinstance(addresses, list) or len(addresses) != n:
-                raise ConfigError(f"{TRANSFER_ADDRESSES}: island {key!r} lists {addresses!r} but has {n} "
-                                  f"process(es) (config.hetero.islands); give one host:port per process")
-            for a in addresses:
-                split_address(a, f"{TRANSFER_ADDRESSES}[{key!r}]")
-        stand_in = environ.get(STAND_IN, "")
-        if stand_in and stand_in not in PLATFORMS:
-            raise ConfigError(f"{STAND_IN}={stand_in!r}: choose one of {PLATFORMS}, or leave it empty to run "
-                              f"on the island's own platform")
-        return cls(name, int(environ[PROCESS_ID]), island.num_processes, coordinator,
-                   {k: tuple(v) for k, v in transfer.items()}, stand_in)
 
 
 def split_address(text: str, where: str = "address") -> tuple[str, int]:
@@ -124,9 +67,6 @@ def num_links(cfg: Config) -> int:
     return max(n * (n - 1) // 2, 1)
 
 
-from_env = ProcessSettings.from_env
-
-
 def link_address(settings: ProcessSettings, island: str, process: int, link: int) -> str:
     """"host:port" where `process` of `island` listens for link number `link` (base port + link;
     link k joins islands k and k+1)."""
@@ -134,7 +74,7 @@ def link_address(settings: ProcessSettings, island: str, process: int, link: int
         raise ValueError(f"no transfer address for process {process} of island {island!r}; "
                          f"known: { {k: len(v) for k, v in settings.transfer.items()} }")
     assert link >= 0, link
-    host, port = split_address(settings.transfer[island][process], f"{TRANSFER_ADDRESSES}[{island!r}]")
+    host, port = split_address(settings.transfer[island][process], f"transfer address of island {island!r}")
     return address(host, port + link)
 
 
@@ -151,6 +91,44 @@ def distributed_kwargs(timeout_s: float) -> dict[str, int]:
               "shutdown_timeout_seconds": seconds}
     known = inspect.signature(jax.distributed.initialize).parameters
     return {k: v for k, v in wanted.items() if k in known}
+
+
+def resolve(text: str, timeout_s: float, what: str) -> str:
+    """"host:port" with the host's IP address: jax's transfer server wants addresses, and a
+    pod's DNS name exists only once the pod does, so a name is retried up to timeout_s."""
+    host, port = split_address(text, what)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ip = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+            return address(ip, port)
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise IslandStartError(f"{what}: cannot resolve {host!r} within {timeout_s:g}s "
+                                       f"(config.hetero.timeout_s): {e}") from None
+            time.sleep(0.5)
+
+
+def listen_address(settings: ProcessSettings, link: int, timeout_s: float) -> str:
+    """Where this process listens for `link`: its own advertised name, resolved. A name that
+    resolves to loopback (a Debian-style /etc/hosts line) while peers run on other hosts
+    would silently refuse them, so that is an error."""
+    mine = link_address(settings, settings.island, settings.process_id, link)
+    ip, port = split_address(resolve(mine, timeout_s, f"island {settings.tag}'s own address"))
+    hosts = {split_address(a)[0] for v in settings.transfer.values() for a in v}
+    if ipaddress.ip_address(ip).is_loopback and not all(_is_loopback_name(h) for h in hosts):
+        raise ConfigError(f"island {settings.tag}: this host's name in the job ({split_address(mine)[0]!r}) "
+                          f"resolves to {ip} here, a loopback address that processes on other hosts cannot "
+                          f"reach; map the name to the host's network address (/etc/hosts, DNS) or list "
+                          f"the job's hosts by address (HETJAX_HOSTS)")
+    return address(ip, port)
+
+
+def _is_loopback_name(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def wait_for_port(address: str, timeout_s: float, what: str) -> None:
