@@ -4,7 +4,8 @@ MI300X island is given more layers because its speed weight is higher (set
 config.hetero.auto_split=True to measure both islands and split by that instead).
 
     python -m launch.local --config configs/llama8b_hetero.py --backend direct   # one machine
-    # across machines: the SLURM/Kubernetes launchers set the same HETJAX_* variables
+    sbatch launch/slurm/hetjob.sbatch                  # an H100 node and an MI300X node
+    kubectl apply -f launch/k8s/service.yaml -f launch/k8s/jobset.yaml   # or a JobSet
 """
 
 import dataclasses

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import types
 import typing
 from pathlib import Path
@@ -691,6 +692,19 @@ class CommandLine:
     config: str
     overrides: dict[str, str]
     compile_only: bool = False
+
+
+def run_main(main, errors: tuple = ()) -> int:
+    """A command's exit status: main()'s, or 2 after `error: ...` for a ConfigError (the
+    user's input), or 1 after it for one of `errors` (the run failed)."""
+    try:
+        return main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def parse_command_line(argv: list[str], flags: tuple[str, ...] = ("compile_only",)) -> CommandLine:

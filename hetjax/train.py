@@ -154,14 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> int:
-    try:
-        return main()
-    except config_lib.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (TrainingDiverged, checkpoint.CheckpointError, *hetero_job.JobError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return config_lib.run_main(main, (TrainingDiverged, checkpoint.CheckpointError, *hetero_job.JobError))
 
 
 if __name__ == "__main__":

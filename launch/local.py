@@ -1,7 +1,7 @@
 """Starts a whole multi-island job on this machine and stops all of it if one process fails.
 
     python -m launch.local --config configs/X.py [--config.KEY=VALUE ...] [--stand_in cpu]
-                           [--backend host|direct]
+                           [--backend host|direct] [--module hetjax.hetero.linkcheck]
 
 Every process of every island runs `python -m hetjax.train` with its own environment:
 its island and rank, every process's host (all this machine) and the job's first port
@@ -33,6 +33,7 @@ from hetjax.hetero import runtime, scheduler
 
 REPO = Path(__file__).resolve().parent.parent
 KILL_GRACE_S = 10.0  # after SIGTERM, before SIGKILL
+MODULES = ("hetjax.train", "hetjax.hetero.linkcheck")  # what every process may run (--module)
 _VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}
 
 
@@ -266,7 +267,7 @@ def _terminate(procs: list[Process], say) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    options = {"stand_in": "", "backend": None}
+    options = {"stand_in": "", "backend": None, "module": "hetjax.train"}
     rest = []
     while argv:
         arg = argv.pop(0)
@@ -285,15 +286,14 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--stand_in={options['stand_in']!r}: choose one of {config_lib.PLATFORMS}")
     if options["backend"] not in (None, "host", "direct"):
         raise ConfigError(f"--backend={options['backend']!r}: choose host or direct")
-    return run(args.config, args.overrides, **options)
+    if options["module"] not in MODULES:
+        raise ConfigError(f"--module={options['module']!r}: choose one of {MODULES}")
+    command = [sys.executable, "-m", options.pop("module")]
+    return run(args.config, args.overrides, command=command, **options)
 
 
 def cli() -> int:
-    try:
-        return main()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return config_lib.run_main(main)
 
 
 if __name__ == "__main__":

@@ -116,6 +116,8 @@ def test_bad_launcher_input_is_refused_before_anything_starts(cfg_path, tmp_path
         local.run(cfg_path, {"hetero.timeout_s": "-1"})
     with pytest.raises(ConfigError, match="--stand_in='gpu'"):
         local.main(["--config", cfg_path, "--stand_in", "gpu"])
+    with pytest.raises(ConfigError, match="--module='hetjax.convert'.*hetjax.hetero.linkcheck"):
+        local.main(["--config", cfg_path, "--module=hetjax.convert"])
     with pytest.raises(ConfigError, match=r"\['q'\]"):
         local.run(cfg_path, island_overrides={"q": {"seed": "1"}})
     assert not (tmp_path / "run" / "logs").exists()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hetjax import config as config_lib
 from hetjax.config import ConfigError
 from hetjax.data import sources, tokenizers
 
@@ -98,11 +99,7 @@ def main(argv: list[str]) -> int:
 
 
 def cli() -> int:
-    try:
-        return main(sys.argv[1:])
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return config_lib.run_main(lambda: main(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -210,6 +210,11 @@ class HostEndpoint(Endpoint):
         self._pipes_lock = threading.Lock()
         self._conns: list[socket.socket] = []
         self._closed = False
+        # Streams holding chunks whose END is not acknowledged yet: a receive completes
+        # when its last byte lands, just before the END frame is read and acknowledged,
+        # so close() waits for these or the sender would see its peer vanish.
+        self._unacked = 0
+        self._quiet = threading.Condition()
         self.refused = 0  # connections refused for a wrong secret
         self.bytes_received = 0
         self._listeners, addresses = [], []
@@ -264,7 +269,7 @@ class HostEndpoint(Endpoint):
         conn.settimeout(self.cfg.timeout_s)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._conns.append(conn)
-        inbox = None
+        inbox, busy = None, False
         try:
             if not authenticate(conn, self._secret, peer):
                 self.refused += 1
@@ -276,7 +281,9 @@ class HostEndpoint(Endpoint):
                     return
                 if kind == _END:  # every chunk before it on this stream was verified
                     _send_frame(conn, _ACK, {"tag": meta.get("tag")}, peer)
+                    busy = busy and self._settle(-1)
                     continue
+                busy = busy or self._settle(+1)
                 inbox = self._inbox(meta.get("tag"), peer)
                 self._chunk(conn, peer, inbox, meta)
                 inbox = None
@@ -286,7 +293,16 @@ class HostEndpoint(Endpoint):
             if not self._closed:
                 log.warning("transfer: stream from %s closed: %s", peer, e)
         finally:
+            if busy:
+                self._settle(-1)
             conn.close()
+
+    def _settle(self, change: int) -> bool:
+        """Counts a stream into (+1) or out of (-1) the unacknowledged ones; True when in."""
+        with self._quiet:
+            self._unacked += change
+            self._quiet.notify_all()
+        return change > 0
 
     def _inbox(self, tag, peer) -> _Inbox:
         """The posted receive for `tag`, waiting up to timeout_s for it to be posted."""
@@ -389,7 +405,9 @@ class HostEndpoint(Endpoint):
                     put(None)
 
         def stream(sock, address):
+            sent = 0
             while (item := chunks.get()) is not None:
+                sent += 1
                 meta, offset, data = item
                 payload = memoryview(np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8))
                 frame = dict(meta, offset=offset, n=payload.nbytes, sum=self._checksum(payload))
@@ -397,6 +415,8 @@ class HostEndpoint(Endpoint):
                 _sendall(sock, payload, address)
                 with _counted:
                     handle.wire_bytes += payload.nbytes
+            if not sent:  # nothing to vouch for; and the receiver may be done and gone
+                return
             _send_frame(sock, _END, {"tag": tag}, address)
             try:
                 kind, meta = _read_frame(sock, address, idle_ok=False, timeout_s=self.cfg.timeout_s)
@@ -420,6 +440,10 @@ class HostEndpoint(Endpoint):
         producer.result()
 
     def close(self):
+        deadline = time.monotonic() + min(self.cfg.timeout_s, 5.0)
+        with self._quiet:  # acknowledge what already arrived (see _unacked)
+            while self._unacked and (left := deadline - time.monotonic()) > 0:
+                self._quiet.wait(left)
         self._closed = True
         for s in self._listeners + self._conns:
             s.close()
