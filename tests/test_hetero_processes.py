@@ -102,3 +102,21 @@ def test_islands_whose_configs_disagree_refuse_to_start_naming_the_difference(tm
     logs = "".join((run_dir / "logs" / f"{i}-0.log").read_text() for i in ("cuda", "rocm"))
     assert "seed" in logs and "differs" in logs, logs[-3000:]
     assert not (run_dir / "metrics.jsonl").exists() or not losses(run_dir)  # not a single step ran
+
+
+def test_the_tiny_hetero_config_trains_through_launch_local(tmp_path, capsys):
+    # The README's demo as processes: launch.local's command line, the islands' HETJAX_*
+    # variables read back by hetero.scheduler, one jax.distributed world per island.
+    run_dir = tmp_path / "tiny"
+    code = local.main(["--config", "configs/tiny_hetero.py", "--stand_in", "cpu", "--config.steps=12",
+                       "--config.optim.warmup_steps=2", "--config.log_every=1", "--config.eval_every=0", f"--config.run_dir={run_dir}"])
+    text = capsys.readouterr().out
+    assert code == 0, text[-3000:]
+    for tag in ("cuda:0", "rocm:0"):
+        island = tag.split(":")[0]
+        assert re.search(rf"\[{tag}\] .*island {island} rank 0/1 \(from hetjax\) on cpu standing in for {island}",
+                         text), text[-3000:]
+    got = losses(run_dir)
+    assert sorted(got) == list(range(12))
+    first, last = sum(got[s] for s in range(3)) / 3, sum(got[s] for s in range(9, 12)) / 3
+    assert last < first - 0.3, (first, last)  # it learns (from ln 256 = 5.5 at the start)
