@@ -201,6 +201,33 @@ def run_sbatch(tmp_path, components, args=(), **settings):
     return r, sorted(reports, key=lambda t: t["procid"])
 
 
+def sbatch_components():
+    """The script's #SBATCH options per job component, read as sbatch reads them: up to the
+    first line that is neither blank nor a comment, components split at `#SBATCH hetjob`."""
+    components = [{}]
+    for line in SBATCH.read_text().splitlines()[1:]:
+        if line.strip() and not line.startswith("#"):
+            break
+        if line.startswith("#SBATCH "):
+            option = line.split()[1]
+            if option == "hetjob":
+                components.append({})
+            else:
+                key, _, value = option.partition("=")
+                components[-1][key] = value
+    return components
+
+
+def test_sbatch_asks_each_island_for_its_processes_and_gpus():
+    cfg = config_lib.load(str(REPO / "configs/llama8b_hetero.py"))
+    components = sbatch_components()
+    assert len(components) == len(cfg.hetero.islands)
+    for island, c in zip(cfg.hetero.islands, components):
+        assert int(c["--nodes"]) * int(c["--ntasks-per-node"]) == island.num_processes
+        assert int(c["--gpus-per-node"]) == int(c["--ntasks-per-node"]) * island.devices_per_process
+        assert c["--partition"] == island.name and "--time" in c and c["--signal"].startswith("TERM@")
+
+
 def test_sbatch_gives_every_task_its_island_rank_coordinator_and_peers(tmp_path):
     # configs/llama8b_hetero.py as the script asks for it: one node per island, one task each.
     run_dir = tmp_path / "shared" / "run"
@@ -252,7 +279,8 @@ def test_sbatch_runs_the_link_check_over_multi_node_islands_and_containers(tmp_p
     assert container["--container-image"] == ["registry.example.com/hetjax:cuda"]
     assert container["--container-mounts"] == [f"{tmp_path / 'run'}:{tmp_path / 'run'}"]
     assert container["--container-workdir"] == [dockerfile_value("cuda", "WORKDIR")]
-    assert tasks[0]["python"] == "python" and "--chdir" not in container
+    assert tasks[0]["python"] == dockerfile_value("cuda", "WORKDIR") + "/.venv/bin/python"
+    assert "--chdir" not in container
     assert tasks[2]["python"] == "/venvs/rocm/bin/python" and tasks[2]["options"]["--chdir"] == [str(REPO)]
     assert secret not in r.stdout + r.stderr
 
