@@ -322,8 +322,10 @@ def test_image_install_is_the_readmes_and_pins_the_base_images_jax():
     readme = (REPO / "README.md").read_text()
     venv, pip = re.search(r"(python3 -m venv) \.venv && (\.venv/bin/pip install -q -e \.) &&", readme).groups()
     script = (LAUNCH / "docker" / "install.sh").read_text()
-    assert f"{venv} --system-site-packages .venv" in script  # the vendor's jax stays visible
-    assert f'PIP_CONSTRAINT="$keep" {pip}\n' in script
+    # the README's commands, into REPO/.venv unless given another venv ("$venv")
+    assert 'venv="${2:-.venv}"' in script
+    assert f'{venv} --system-site-packages "$venv"' in script  # the vendor's jax stays visible
+    assert f'PIP_CONSTRAINT="$keep" {pip.replace(".venv/bin/pip", chr(34) + "$venv/bin/pip" + chr(34))}\n' in script
     # The constraints the script writes, from this interpreter: exactly its jax and jaxlib.
     pins = re.search(r"<<'PY'\n(.*?)\nPY\n", script, re.S)[1]
     out = subprocess.run([sys.executable, "-c", pins], capture_output=True, text=True, check=True).stdout
