@@ -3,11 +3,11 @@
     python -m launch.local --config configs/X.py [--config.KEY=VALUE ...] [--stand_in cpu]
                            [--backend host|direct] [--module hetjax.hetero.linkcheck]
 
-Every process of every island runs `python -m hetjax.train` with its own environment:
-its island and rank, every process's host (all this machine) and the job's first port
-(hetjax.hetero.scheduler's HETJAX_* variables, from which each process derives its
-coordinator and transfer addresses exactly as on a SLURM or Kubernetes cluster), and
-the devices it may use. Each output line is
+Every process of every island runs `python -m hetjax.train` (or --module's) with its
+own environment: its island and rank, every process's host (all this machine) and the
+job's first port (hetjax.hetero.scheduler's HETJAX_* variables, from which each process
+derives its coordinator and transfer addresses exactly as on a SLURM or Kubernetes
+cluster), and the devices it may use. Each output line is
 echoed as `[island:rank] ...` and kept in run_dir/logs/<island>-<rank>.log. When a
 process exits non-zero, the others get config.hetero.timeout_s to stop by themselves
 (a dead peer makes them fail with their own timeout errors), then SIGTERM, then SIGKILL.

@@ -57,8 +57,11 @@ def test_plan_gives_distinct_ports_and_the_processes_derive_the_launchers_settin
         assert all(isinstance(v, str) for v in env.values())
         assert scheduler.placement_from_env(env, cfg) == placement
         mine = scheduler.from_env(env, cfg)
-        assert dataclasses.replace(mine, coordinator="", transfer={}) == dataclasses.replace(
-            plan[mine.tag], coordinator="", transfer={})
+        # One host: blocks of 2 ports (coordinator, the link) from P for a:0, a:1, b:0.
+        p, h = placement.port, "127.0.0.1"
+        assert (mine.tag, mine.stand_in, mine.source) == (f"{placement.island}:{placement.rank}", "cpu", "hetjax")
+        assert mine.coordinator == {"a": f"{h}:{p}", "b": f"{h}:{p + 4}"}[mine.island]
+        assert mine.transfer == {"a": (f"{h}:{p + 1}", f"{h}:{p + 3}"), "b": (f"{h}:{p + 5}",)}
     assert scheduler.from_env({}, cfg) is None
 
 
@@ -96,6 +99,11 @@ def test_bad_environment_is_a_named_config_error(cfg_path, change, names):
         scheduler.from_env(env, cfg)
     for name in names:
         assert name in str(e.value)
+
+
+def test_jax_is_told_to_take_the_settings_as_they_are():
+    # jax's own SLURM detection would set local_device_ids=[SLURM_LOCALID]: one GPU of 8.
+    assert runtime.distributed_kwargs(10.0)["cluster_detection_method"] == "deactivate"
 
 
 def test_process_environment_gives_each_process_its_devices(cfg_path):

@@ -45,6 +45,31 @@ def test_every_process_checks_its_links_at_the_jobs_addresses(cfg_path):
         assert line.endswith("data OK") and "1.0 MiB each way" in line, line
 
 
+THREE = """
+from hetjax.config import Config, HeteroConfig, IslandConfig, MeshConfig, ModelConfig
+
+def get_config():
+    return Config(model=ModelConfig(num_layers=3), batch_size=24, seq_len=16, run_dir={run_dir!r},
+                  hetero=HeteroConfig(islands=tuple(
+                      IslandConfig(name=n, devices_per_process=d, mesh=MeshConfig(fsdp=d))
+                      for n, d in (("a", 2), ("b", 1), ("c", 3))), timeout_s=30.0))
+"""
+
+
+def test_three_islands_check_every_pair(tmp_path):
+    # Training uses every pair (a-c too: gradients and scalars), so the check does.
+    path = tmp_path / "three.py"
+    path.write_text(THREE.format(run_dir=str(tmp_path / "run")))
+    out = io.StringIO()
+    code = local.run(str(path), stand_in="cpu", backend="host", command=COMMAND[:-1] + ["1"], out=out)
+    text = out.getvalue()
+    assert code == 0, text
+    for tag, pairs in (("a:0", ("a<->b", "a<->c")), ("b:0", ("a<->b", "b<->c")), ("c:0", ("a<->c", "b<->c"))):
+        lines = [x for x in text.splitlines() if x.startswith(f"[{tag}] [linkcheck] ") and "each way" in x]
+        assert [x.split("] [linkcheck] ")[1].split(" ")[0] for x in lines] == list(pairs), text
+        assert all(x.endswith("data OK") for x in lines), lines
+
+
 def test_islands_with_different_secrets_are_told_so(cfg_path, tmp_path):
     other = tmp_path / "other_secret"
     other.write_text("b" * 64)

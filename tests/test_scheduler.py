@@ -59,12 +59,13 @@ def test_a_slurm_heterogeneous_job_gives_every_process_its_island_rank_coordinat
     got = [scheduler.from_env(slurm_env(t), CFG) for t in SLURM_TASKS]
     assert [(s.island, s.process_id, s.num_processes, s.source) for s in got] == [
         ("cuda", 0, 2, "slurm"), ("cuda", 1, 2, "slurm"), ("rocm", 0, 2, "slurm"), ("rocm", 1, 2, "slurm")]
-    # First port 20000 + 4242 % 10000; blocks of 2 ports (coordinator, the one link).
-    assert [s.coordinator for s in got] == ["gpu017:24242"] * 2 + ["mi300x-01:24242"] * 2
-    peers = {"cuda": ("gpu017:24243", "gpu017:24245"),  # two processes share gpu017: blocks 0 and 1
-             "rocm": ("mi300x-01:24243", "mi300x-02:24243")}
+    # Blocks of 2 ports (coordinator, the one link); gpu017 holds 2 blocks, so the job's span
+    # is 4 ports, and job 4242 takes span number 4242 % (10000 // 4) = 1742: first port 26968.
+    assert [s.coordinator for s in got] == ["gpu017:26968"] * 2 + ["mi300x-01:26968"] * 2
+    peers = {"cuda": ("gpu017:26969", "gpu017:26971"),  # two processes share gpu017: blocks 0 and 1
+             "rocm": ("mi300x-01:26969", "mi300x-02:26969")}
     assert all(s.transfer == peers for s in got)
-    assert runtime.link_address(got[3], "cuda", 1, link=0) == "gpu017:24245"
+    assert runtime.link_address(got[3], "cuda", 1, link=0) == "gpu017:26971"
     assert all(s.stand_in == "" for s in got)
     # HETJAX_PORT moves the whole block.
     moved = scheduler.from_env(dict(slurm_env(SLURM_TASKS[1]), HETJAX_PORT="30000"), CFG)
@@ -89,10 +90,24 @@ def test_three_islands_take_a_port_per_link():
         IslandConfig(name="cpu", num_processes=1, devices_per_process=4, mesh=MeshConfig(fsdp=4)),)))
     env = dict(slurm_env(SLURM_TASKS[1]), SLURM_HET_SIZE="3", SLURM_JOB_NODELIST_HET_GROUP_2="gpu017",
                SLURM_TASKS_PER_NODE_HET_GROUP_2="1")
-    s = scheduler.from_env(env, three)
+    s = scheduler.from_env(dict(env, HETJAX_PORT="24242"), three)
     # 3 links: blocks of 4 ports; gpu017 holds cuda:0, cuda:1 and then cpu:0.
     assert s.transfer["cuda"] == ("gpu017:24243", "gpu017:24247") and s.transfer["cpu"] == ("gpu017:24251",)
     assert runtime.link_address(s, "cpu", 0, link=2) == "gpu017:24253"
+    # Without HETJAX_PORT: a span of 3 blocks x 4 ports, number 4242 % 833 = 77 from 20000.
+    assert scheduler.from_env(env, three).coordinator == f"gpu017:{20000 + 77 * 12}"
+
+
+def test_slurm_jobs_sharing_a_node_take_disjoint_ports():
+    def ports(job):
+        envs = [dict(slurm_env(t), SLURM_JOB_ID=str(job)) for t in SLURM_TASKS]
+        return {(h, p) for s in (scheduler.from_env(e, CFG) for e in envs)
+                for h, p in map(runtime.split_address, [s.coordinator, *s.transfer["cuda"], *s.transfer["rocm"]])}
+    for job in (4242, 9999, 123456):
+        a, b = ports(job), ports(job + 1)
+        lo_a, lo_b = min(p for _, p in a), min(p for _, p in b)
+        assert abs(lo_a - lo_b) >= 4 and not a & b  # whole spans of 4 ports apart
+        assert all(20000 <= p < 30000 for _, p in a | b)
 
 
 def test_the_explicit_variables_win_over_the_scheduler():

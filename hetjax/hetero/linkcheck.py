@@ -5,7 +5,7 @@
 Start it exactly as hetjax.train (launch.local's `command`, the SLURM script's
 HETJAX_MODULE, the JobSet's container args): each process joins its island's
 jax.distributed world and opens the same links, with the same backend, secret, hosts and
-ports as training (hetero.Links). Neighbouring islands then exchange, both ways at once,
+ports as training (hetero.Links). Every pair of islands then exchanges, both ways at once,
 a uint32 array sharded over every device of each island, so the transfer plans shard by
 shard between two different meshes as training does, and each side checks every bit it
 received. Each process prints one line per link:
@@ -19,6 +19,7 @@ A peer that never answers is an IslandLost error after link.timeout_s.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
@@ -123,10 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     links = Links(cfg, k, settings, job_id="linkcheck/")
     ok = True
     try:
-        # Link by link in order, so island k meets k-1 first and then k+1, as k+1 expects.
-        for j in (k - 1, k + 1):
-            if 0 <= j < len(names):
-                ok &= check_link(links, j, mesh, sizes["mib"], sizes["iters"], say)
+        # Every pair of islands (training uses them all: neighbours for activations, every
+        # pair for gradients and scalars), one pair at a time in one order that every
+        # island follows, so no island waits on a peer that is busy with a third one.
+        for pair in itertools.combinations(range(len(names)), 2):
+            if k in pair:
+                ok &= check_link(links, pair[0] + pair[1] - k, mesh, sizes["mib"], sizes["iters"], say)
     except hetero_job.JobError as e:
         say(f"FAILED: {type(e).__name__}: {e}")
         return 1
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> int:
-    return config_lib.run_main(main)
+    return config_lib.run_main(main, hetero_job.JobError)
 
 
 if __name__ == "__main__":

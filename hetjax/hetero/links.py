@@ -52,6 +52,11 @@ class Links:
         self.settings, self.job_id = settings, job_id
         self.endpoints, self.peers = {}, {}
         self.transfer_seconds = 0.0  # time this island's host thread spent waiting on links
+        deadline = time.monotonic() + cfg.hetero.timeout_s  # one wait for every name to resolve
+
+        def left():
+            return max(deadline - time.monotonic(), 0.0)
+
         for j in range(self.n):
             if j == k:
                 continue
@@ -60,11 +65,10 @@ class Links:
                 self.endpoints[j] = open_endpoint(link, process_index=0)
                 continue
             number = pair_index(k, j, self.n)
-            wait = cfg.hetero.timeout_s
-            host, port = runtime.split_address(runtime.listen_address(settings, number, wait))
+            host, port = runtime.split_address(runtime.listen_address(settings, number, left()))
             self.endpoints[j] = open_endpoint(dataclasses.replace(link, bind_address=host, port=port))
             spec = cfg.hetero.islands[j]
-            self.peers[j] = {p: (runtime.resolve(runtime.link_address(settings, self.names[j], p, number), wait,
+            self.peers[j] = {p: (runtime.resolve(runtime.link_address(settings, self.names[j], p, number), left(),
                                                  f"island {self.names[j]} rank {p}'s transfer address"),)
                              for p in range(spec.num_processes)}
 

@@ -88,19 +88,25 @@ def distributed_kwargs(timeout_s: float) -> dict[str, int]:
     # whole detection inside it.
     heartbeat = max(2, math.ceil(timeout_s / 2))
     wanted = {"initialization_timeout": seconds, "heartbeat_timeout_seconds": heartbeat,
-              "shutdown_timeout_seconds": seconds}
+              "shutdown_timeout_seconds": seconds,
+              # Our settings are the whole truth: jax's own SLURM detection would otherwise
+              # fill local_device_ids with SLURM_LOCALID and hide all GPUs but one, and its
+              # Kubernetes detection would call the API server.
+              "cluster_detection_method": "deactivate"}
     known = inspect.signature(jax.distributed.initialize).parameters
     return {k: v for k, v in wanted.items() if k in known}
 
 
 def resolve(text: str, timeout_s: float, what: str) -> str:
     """"host:port" with the host's IP address: jax's transfer server wants addresses, and a
-    pod's DNS name exists only once the pod does, so a name is retried up to timeout_s."""
+    pod's DNS name exists only once the pod does, so a name is retried up to timeout_s.
+    IPv4 first, so that both ends of a dual-stack link pick the same family."""
     host, port = split_address(text, what)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            ip = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+            found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            ip = min(found, key=lambda a: a[0] != socket.AF_INET)[4][0]
             return address(ip, port)
         except OSError as e:
             if time.monotonic() > deadline:

@@ -7,7 +7,8 @@ rank there, and on which host does every process of every island run. One functi
 coordinator and transfer address:
 
     hetjax     HETJAX_ISLAND, HETJAX_PROCESS_ID, HETJAX_HOSTS (JSON: island -> host per
-               rank), HETJAX_PORT; written by launch.local, or by hand across machines.
+               rank; one name per machine, since blocks are counted per name), HETJAX_PORT;
+               written by launch.local, or by hand across machines.
     slurm      a heterogeneous job: component k of the `#SBATCH hetjob` script is island k
                of config.hetero.islands (launch/slurm/hetjob.sbatch).
     kubernetes a JobSet with one replicated job per island, named after it
@@ -26,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections import Counter
 
 from hetjax.config import PLATFORMS, Config, ConfigError
 from hetjax.hetero import runtime
@@ -36,7 +38,7 @@ PROCESS_ID = "HETJAX_PROCESS_ID"
 HOSTS = "HETJAX_HOSTS"
 PORT = "HETJAX_PORT"
 STAND_IN = "HETJAX_STAND_IN"
-# Set by launch/k8s/jobset.yaml from the pod's JobSet labels (the downward API).
+# Set by launch/k8s/jobset.yaml from the pod's JobSet annotations (the downward API).
 K8S_JOBSET = "HETJAX_K8S_JOBSET"
 K8S_REPLICATED_JOB = "HETJAX_K8S_REPLICATED_JOB"
 K8S_JOB_INDEX = "HETJAX_K8S_JOB_INDEX"
@@ -44,7 +46,8 @@ K8S_SUBDOMAIN = "HETJAX_K8S_SUBDOMAIN"
 K8S_POD_INDEX = "JOB_COMPLETION_INDEX"  # set by Kubernetes in every pod of an Indexed Job
 
 DEFAULT_PORT = 8476
-# SLURM: 20000 + job id % 10000, so jobs sharing a node differ, below Linux's ephemeral ports.
+# SLURM: the job's span of ports (blocks on its busiest node) number job id % (10000 // span)
+# from 20000: jobs sharing a node differ, and all stay below Linux's ephemeral ports.
 _SLURM_PORTS = (20000, 10000)
 
 
@@ -210,8 +213,10 @@ def _from_slurm(environ, cfg: Config) -> Placement:
         raise ConfigError(f"SLURM_PROCID={procid} is rank {mine[1]} of island {mine[0]!r}, which the block "
                           f"distribution puts on {hosts[mine[0]][mine[1]]!r}, but it runs on {node!r} "
                           f"(SLURMD_NODENAME); launch with srun --distribution=block")
+    # Jobs that share a node take disjoint ranges: whole spans of this job's size.
+    span = max(Counter(h for ranks in hosts.values() for h in ranks).values()) * (1 + runtime.num_links(cfg))
     job = environ.get("SLURM_JOB_ID", "0")
-    default = _SLURM_PORTS[0] + (int(job) if job.isdigit() else 0) % _SLURM_PORTS[1]
+    default = _SLURM_PORTS[0] + (int(job) if job.isdigit() else 0) % max(_SLURM_PORTS[1] // span, 1) * span
     return Placement("slurm", *mine, hosts, _port(environ, default), _stand_in(environ))
 
 
@@ -280,7 +285,7 @@ def _need(environ, name: str, source: str = "kubernetes") -> str:
     if source == "SLURM":
         raise ConfigError(f"{name} is unset; sbatch sets it in a heterogeneous job: submit one "
                           f"`#SBATCH hetjob` component per island (launch/slurm/hetjob.sbatch)")
-    raise ConfigError(f"{name} is unset; launch/k8s/jobset.yaml sets it from the pod's JobSet labels "
+    raise ConfigError(f"{name} is unset; launch/k8s/jobset.yaml sets it from the pod's JobSet annotations "
                       f"(the downward API); add it to the container's env")
 
 

@@ -40,6 +40,9 @@ _FRAME = struct.Struct("<4sBI")  # magic, kind, length of the JSON header that f
 _MAGIC = b"HJX1"
 _CHUNK, _END, _ACK = 1, 2, 3
 _CHECKSUM = {"crc32": zlib.crc32, "adler32": zlib.adler32}
+# How long close() waits for the END frames of messages that already arrived: they follow
+# their last chunk at once, so this is only reached when a sender died mid-message.
+CLOSE_GRACE_S = 5.0
 _counted = threading.Lock()  # guards Handle.wire_bytes across stream threads
 
 
@@ -209,7 +212,7 @@ class HostEndpoint(Endpoint):
         self._pipes: dict[tuple, tuple[threading.Lock, list]] = {}
         self._pipes_lock = threading.Lock()
         self._conns: list[socket.socket] = []
-        self._closed = False
+        self._closed = self._closing = False
         # Streams holding chunks whose END is not acknowledged yet: a receive completes
         # when its last byte lands, just before the END frame is read and acknowledged,
         # so close() waits for these or the sender would see its peer vanish.
@@ -310,7 +313,7 @@ class HostEndpoint(Endpoint):
         with self._posted:
             while tag not in self._inboxes:
                 left = deadline - time.monotonic()
-                if left <= 0 or self._closed:
+                if left <= 0 or self._closing:
                     raise TransferError(f"peer {peer} sent tag {tag!r}, but no receive for it was posted "
                                         f"within {self.cfg.timeout_s:g} s; message refused")
                 self._posted.wait(left)
@@ -440,7 +443,10 @@ class HostEndpoint(Endpoint):
         producer.result()
 
     def close(self):
-        deadline = time.monotonic() + min(self.cfg.timeout_s, 5.0)
+        self._closing = True  # refuse new messages now (_inbox), so only the last ones are waited for
+        with self._posted:
+            self._posted.notify_all()
+        deadline = time.monotonic() + min(self.cfg.timeout_s, CLOSE_GRACE_S)
         with self._quiet:  # acknowledge what already arrived (see _unacked)
             while self._unacked and (left := deadline - time.monotonic()) > 0:
                 self._quiet.wait(left)
