@@ -186,7 +186,25 @@ def make_plan(shape: Sequence[int], itemsize: int, src: Layout, dst: Layout) -> 
             sent[src.processes[sender]] += part_bytes
             pieces.append(Piece(part, sender, src.processes[sender], receiver,
                                 dst.processes[receiver], gi, part_bytes))
+    _rebalance(pieces, [holders[src_regions[p.src]] for p in pieces], src.processes, sent)
     return Plan(shape, itemsize, tuple(groups), tuple(pieces), tuple(src_regions), tuple(dst_regions))
+
+
+def _rebalance(pieces: list[Piece], holders: list[list[int]], processes, sent: dict) -> None:
+    """Moves pieces between the processes that hold them until no move would lower the
+    larger of the two loads. The greedy pass above decides before it knows the blocks
+    only one process holds; this fixes that. Each move lowers the sum of squared loads,
+    so it ends; every process runs the same moves, so every process gets the same plan."""
+    moved = True
+    while moved:
+        moved = False
+        for i, piece in enumerate(pieces):
+            best = min(holders[i], key=lambda s: (sent[processes[s]], s))
+            if sent[processes[best]] + piece.nbytes < sent[piece.src_process]:
+                sent[piece.src_process] -= piece.nbytes
+                sent[processes[best]] += piece.nbytes
+                pieces[i] = dataclasses.replace(piece, src=best, src_process=processes[best])
+                moved = True
 
 
 def split(region: Region, itemsize: int, limit: int) -> list[tuple[Region, int]]:
