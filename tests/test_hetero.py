@@ -3,7 +3,11 @@ like the same job on one island (losses within 1e-5 relative), and data-parallel
 islands hold bitwise-identical parameters."""
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -17,6 +21,7 @@ from hetjax.hetero import placement
 from hetjax.hetero.links import IslandLost, Links
 
 STEPS = 10
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def write_config(tmp_path, name, body):
@@ -223,3 +228,23 @@ def test_an_island_too_small_for_its_part_is_refused_before_allocating(tmp_path)
     with pytest.raises(ConfigError, match="island (cuda|rocm) \\(config.hetero.islands\\[[01]\\]\\): .* needs about"):
         train.main(["--config", "tiny_hetero.py", f"--config.run_dir={tmp_path}", "--config.device_memory_gib=1e-5"])
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_virtual_islands_save_asynchronously_and_resume(tmp_path):
+    # The README's job as its command runs it, in a process of its own (inside pytest's
+    # process the failure did not show): the islands' threads start asynchronous orbax
+    # saves in one process, and started together they mixed up each other's temporary
+    # directories, so the job failed at its first checkpoint.
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "hetjax.train", "--config", "configs/tiny_hetero.py", f"--config.run_dir={run_dir}",
+            "--config.eval_every=0", "--config.checkpoint.every=2", "--config.checkpoint.keep=3"]
+    env = dict({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, PYTHONPATH=str(ROOT))
+    for steps in (6, 8):  # then resume both islands from step 6
+        run = subprocess.run(args + [f"--config.steps={steps}"], capture_output=True, text=True, env=env,
+                             cwd=ROOT, timeout=300)
+        assert run.returncode == 0 and "ERROR" not in run.stderr, run.stderr[-3000:]
+    assert "resumed every island from step 6" in run.stdout, run.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows if "loss" in r}) == list(range(8))
+    for name in ("cuda", "rocm"):
+        assert checkpoint.Manager(run_dir / "checkpoints" / name).steps() == [4, 6, 8]

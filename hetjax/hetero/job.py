@@ -197,7 +197,11 @@ class Checkpoints:
         return self.job.workers[0].manager.should_save(step)
 
     def save(self, step: int, states, data_state: dict, config: dict) -> None:
-        self.job._each(lambda w, state: w.manager.save(step, state, data_state, config), states)
+        # One island after the other: orbax numbers a process's save operations in one
+        # global counter, and two saves started at once from two threads (virtual
+        # islands) mix up each other's temporary directories. The saves stay asynchronous.
+        for w, state in zip(self.job.workers, states):
+            w.manager.save(step, state, data_state, config)
 
     def wait(self) -> None:
         for w in self.job.workers:
@@ -229,7 +233,8 @@ class Checkpoints:
                 for newer in [s for s in w.manager.steps() if s > step]:
                     w.manager.move_aside(newer, log, why="unfinished (not every island saved it)")
             try:
-                restored = job._each(lambda w: w.manager.restore(step, w.island.abstract, w.island.shardings))
+                restored = [w.manager.restore(step, w.island.abstract, w.island.shardings)  # as save
+                            for w in job.workers]
                 ok = 1
             except checkpoint.CorruptCheckpoint as e:
                 log(f"warning: {e}")
