@@ -692,6 +692,7 @@ class CommandLine:
     config: str
     overrides: dict[str, str]
     compile_only: bool = False
+    options: dict = dataclasses.field(default_factory=dict)  # the command's own --name=value
 
 
 def run_main(main, errors: tuple = ()) -> int:
@@ -707,9 +708,12 @@ def run_main(main, errors: tuple = ()) -> int:
         return 1
 
 
-def parse_command_line(argv: list[str], flags: tuple[str, ...] = ("compile_only",)) -> CommandLine:
-    """Parses `--config X`, `--config.a.b=v` (or `--config.a.b v`) and boolean flags."""
+def parse_command_line(argv: list[str], flags: tuple[str, ...] = ("compile_only",),
+                       options: dict | None = None) -> CommandLine:
+    """Parses `--config X`, `--config.a.b=v` (or `--config.a.b v`), boolean flags, and the
+    command's own options `--name=v` (or `--name v`), whose defaults `options` gives."""
     name, overrides, seen = None, {}, set()
+    values = dict(options or {})
     args = list(argv)
     while args:
         arg = args.pop(0)
@@ -722,13 +726,20 @@ def parse_command_line(argv: list[str], flags: tuple[str, ...] = ("compile_only"
                     raise ConfigError(f"{arg}: give a value, e.g. {arg}=VALUE")
                 value = args.pop(0)
             overrides[key.removeprefix("--config.")] = value
+        elif key.startswith("--") and key.removeprefix("--").replace("-", "_") in values:
+            if not eq:
+                if not args:
+                    raise ConfigError(f"{arg}: give a value, e.g. {arg}=VALUE")
+                value = args.pop(0)
+            values[key.removeprefix("--").replace("-", "_")] = value
         elif key.removeprefix("--").replace("-", "_") in flags and not eq:
             seen.add(key.removeprefix("--").replace("-", "_"))
         else:
-            known = ["--config", "--config.KEY=VALUE"] + [f"--{f}" for f in flags]
+            known = (["--config", "--config.KEY=VALUE"] + [f"--{f}" for f in flags]
+                     + [f"--{o}=VALUE" for o in values])
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(known)}"
             raise ConfigError(f"unknown argument {arg!r}; {hint}")
     if not name:
         raise ConfigError("--config is required, e.g. --config configs/tiny.py")
-    return CommandLine(name, overrides, **{f: f in seen for f in flags})
+    return CommandLine(name, overrides, options=values, **{f: f in seen for f in flags})

@@ -266,22 +266,9 @@ def _terminate(procs: list[Process], say) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    options = {"stand_in": "", "backend": None, "module": "hetjax.train"}
-    rest = []
-    while argv:
-        arg = argv.pop(0)
-        key, eq, value = arg.partition("=")
-        name = key.removeprefix("--").replace("-", "_")
-        if key.startswith("--") and name in options:
-            if not eq:
-                if not argv:
-                    raise ConfigError(f"{arg}: give a value, e.g. {arg}=cpu")
-                value = argv.pop(0)
-            options[name] = value
-        else:
-            rest.append(arg)
-    args = config_lib.parse_command_line(rest, flags=())
+    args = config_lib.parse_command_line(sys.argv[1:] if argv is None else argv, flags=(),
+                                         options={"stand_in": "", "backend": None, "module": "hetjax.train"})
+    options = args.options
     if options["stand_in"] not in ("",) + config_lib.PLATFORMS:
         raise ConfigError(f"--stand_in={options['stand_in']!r}: choose one of {config_lib.PLATFORMS}")
     if options["backend"] not in (None, "host", "direct"):

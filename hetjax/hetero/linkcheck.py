@@ -92,20 +92,13 @@ def check_link(links: Links, j: int, mesh, mib: int, iters: int, say) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    sizes = {"mib": 64, "iters": 3}
-    rest = []
-    while argv:
-        key, eq, value = argv.pop(0).partition("=")
-        name = key.removeprefix("--")
-        if name in sizes:
-            value = value if eq else (argv.pop(0) if argv else "")
-            if not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"--{name}={value!r}: give a whole number of at least 1")
-            sizes[name] = int(value)
-        else:
-            rest.append(key + eq + value)
-    args = config_lib.parse_command_line(rest, flags=())
+    args = config_lib.parse_command_line(sys.argv[1:] if argv is None else argv, flags=(),
+                                         options={"mib": "64", "iters": "3"})
+    sizes = {}
+    for name, value in args.options.items():
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"--{name}={value!r}: give a whole number of at least 1")
+        sizes[name] = int(value)
     cfg = config_lib.load(args.config, args.overrides)
     config_lib.validate(cfg)
     if len(cfg.hetero.islands) < 2 or cfg.hetero.virtual:
