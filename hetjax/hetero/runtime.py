@@ -17,10 +17,9 @@ import inspect
 import ipaddress
 import math
 import socket
-import time
 
 from hetjax.config import Config, ConfigError, IslandConfig
-from hetjax.transfer.link import address
+from hetjax.transfer.link import address, retry
 
 
 class IslandStartError(RuntimeError):
@@ -102,17 +101,10 @@ def resolve(text: str, timeout_s: float, what: str) -> str:
     pod's DNS name exists only once the pod does, so a name is retried up to timeout_s.
     IPv4 first, so that both ends of a dual-stack link pick the same family."""
     host, port = split_address(text, what)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            ip = min(found, key=lambda a: a[0] != socket.AF_INET)[4][0]
-            return address(ip, port)
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise IslandStartError(f"{what}: cannot resolve {host!r} within {timeout_s:g}s "
-                                       f"(config.hetero.timeout_s): {e}") from None
-            time.sleep(0.5)
+    found = retry(lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout_s, 0.5,
+                  lambda e: IslandStartError(f"{what}: cannot resolve {host!r} within {timeout_s:g}s "
+                                             f"(config.hetero.timeout_s): {e}"))
+    return address(min(found, key=lambda a: a[0] != socket.AF_INET)[4][0], port)
 
 
 def listen_address(settings: ProcessSettings, link: int, timeout_s: float) -> str:
@@ -140,16 +132,9 @@ def _is_loopback_name(host: str) -> bool:
 def wait_for_port(address: str, timeout_s: float, what: str) -> None:
     """Returns once `address` accepts a TCP connection; IslandStartError after timeout_s."""
     host, port = split_address(address, "address")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=1.0).close()
-            return
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise IslandStartError(f"{what} at {address} did not answer within {timeout_s:g}s "
-                                       f"(config.hetero.timeout_s): {e}; is it running?") from None
-            time.sleep(0.1)
+    retry(lambda: socket.create_connection((host, port), timeout=1.0).close(), timeout_s, 0.1,
+          lambda e: IslandStartError(f"{what} at {address} did not answer within {timeout_s:g}s "
+                                     f"(config.hetero.timeout_s): {e}; is it running?"))
 
 
 def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float) -> None:

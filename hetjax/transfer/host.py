@@ -121,16 +121,9 @@ def connect(address: str, secret: bytes, timeout_s: float) -> socket.socket:
     secret; retries while the peer starts, TransferTimeout after timeout_s."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
-    deadline = time.monotonic() + timeout_s
-    while True:  # the peer may still be starting
-        try:
-            sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-            break
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise TransferTimeout(f"peer {address} did not accept a connection within "
-                                      f"{timeout_s:g} s ({e})") from None
-            time.sleep(0.05)
+    sock = link.retry(lambda: socket.create_connection((host, int(port)), timeout=timeout_s),  # it may be starting
+                      timeout_s, 0.05, lambda e: TransferTimeout(f"peer {address} did not accept a connection "
+                                                                 f"within {timeout_s:g} s ({e})"))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     nonce = os.urandom(32)
     challenge = _recv_exact(sock, 32, address)
