@@ -239,6 +239,11 @@ class IslandConfig:
     mesh: MeshConfig = MeshConfig()  # over num_processes * devices_per_process devices
     speed: float = 1.0  # relative throughput: data shares and the default layer split
 
+    @property
+    def devices(self) -> int:
+        """The island's devices, over all of its processes."""
+        return self.num_processes * self.devices_per_process
+
 
 @dataclasses.dataclass(frozen=True)
 class HeteroConfig:
@@ -482,7 +487,7 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
 
 def island_mesh_sizes(island: IslandConfig) -> dict[str, int] | None:
     """The island's mesh axis sizes with -1 resolved; None if they cannot fill its devices."""
-    devices = island.num_processes * island.devices_per_process
+    devices = island.devices
     sizes = {a: getattr(island.mesh, a) for a in MESH_AXES}
     known = math.prod(s for s in sizes.values() if s != -1)
     wild = [a for a, s in sizes.items() if s == -1]
@@ -520,7 +525,7 @@ def _validate_hetero(cfg: Config) -> None:
         if not island.speed > 0:
             raise ConfigError(f"{where}.speed={island.speed!r}: must be positive (a relative throughput)")
         if island_mesh_sizes(island) is None:
-            devices = island.num_processes * island.devices_per_process
+            devices = island.devices
             raise ConfigError(
                 f"{where}.mesh={island.mesh} does not fit the island's {island.num_processes} x "
                 f"{island.devices_per_process} = {devices} devices; make the sizes multiply to "

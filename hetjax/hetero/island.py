@@ -49,7 +49,7 @@ class Geometry:
 
     @classmethod
     def of(cls, spec: IslandConfig, virtual: bool) -> "Geometry":
-        devices = spec.num_processes * spec.devices_per_process
+        devices = spec.devices
         sizes = resolve_shape(spec.mesh, devices)
         # Devices are laid out in (process, local id) order: position i is on process
         # i // devices_per_process, which a peer can compute from the config alone.

@@ -50,7 +50,7 @@ def start(cfg) -> tuple[str, object]:
         line = backend.start(cfg)
         if backend.resolve(cfg.compile)[0].platform == "cpu":
             # One virtual CPU device per island device: the islands partition them.
-            need = sum(i.num_processes * i.devices_per_process for i in cfg.hetero.islands)
+            need = sum(i.devices for i in cfg.hetero.islands)
             flags = os.environ.get("XLA_FLAGS", "")
             if "xla_force_host_platform_device_count" not in flags:
                 backend.virtual_cpu_devices(need)
@@ -301,7 +301,7 @@ class Job:
         h = self.cfg.hetero
         if not h.virtual:
             return {local[0]: jax.devices()}
-        need = [i.num_processes * i.devices_per_process for i in h.islands]
+        need = [i.devices for i in h.islands]
         have = jax.devices()
         if sum(need) > len(have):
             raise ConfigError(
