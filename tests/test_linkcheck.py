@@ -86,11 +86,12 @@ def test_received_data_is_checked_bit_for_bit():
         IslandConfig(name="a", num_processes=1, devices_per_process=4, mesh=MeshConfig(fsdp=4)),)))
     sharding = NamedSharding(make_mesh(geometry(cfg, 0), jax.devices()[:4]), linkcheck.SPEC)
     mine = linkcheck.pattern(64, 0, sharding)
-    assert linkcheck.intact(mine, 0) and not linkcheck.intact(mine, 1)
+    assert linkcheck.intact(mine, linkcheck.pattern(64, 0, sharding))
+    assert not linkcheck.intact(mine, linkcheck.pattern(64, 1, sharding))
     words = np.array(mine)
     assert len(np.unique(words)) == 64  # every word differs: a shard sent to the wrong place shows
     words[17] ^= 1 << 9  # one flipped bit
-    assert not linkcheck.intact(jax.device_put(words, sharding), 0)
+    assert not linkcheck.intact(jax.device_put(words, sharding), mine)
 
 
 def test_a_config_without_islands_is_refused_before_anything_starts():
