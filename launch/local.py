@@ -60,9 +60,8 @@ def plan(cfg: Config, stand_in: str = "", host: str = "127.0.0.1") -> list[sched
     """Every process of the job, all on `host`, with a free block of ports for the job (the
     same block layout as on a cluster: hetero.scheduler.settings)."""
     islands = cfg.hetero.islands
-    total = sum(i.num_processes for i in islands)
-    port = free_ports(1, total * (1 + runtime.num_links(cfg)), host)[0]
     hosts = {i.name: (host,) * i.num_processes for i in islands}
+    port = free_ports(1, scheduler.span(hosts, cfg), host)[0]
     return [scheduler.Placement("hetjax", i.name, rank, hosts, port, stand_in)
             for i in islands for rank in range(i.num_processes)]
 

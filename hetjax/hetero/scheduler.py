@@ -106,7 +106,7 @@ def settings(p: Placement, cfg: Config) -> runtime.ProcessSettings:
             slot = taken.get(host, 0)
             taken[host] = slot + 1
             base[i.name, rank] = (host, p.port + slot * per)
-    last = p.port + max(taken.values()) * per - 1
+    last = p.port + span(p.hosts, cfg) - 1
     if last > 65535:
         raise ConfigError(f"{PORT}={p.port}: the job needs ports {p.port}..{last} on its busiest host; "
                           f"choose a first port of at most {65535 - last + p.port}")
@@ -116,6 +116,11 @@ def settings(p: Placement, cfg: Config) -> runtime.ProcessSettings:
     island = next(i for i in islands if i.name == p.island)
     return runtime.ProcessSettings(p.island, p.rank, island.num_processes, coordinator, transfer,
                                    p.stand_in, p.source)
+
+
+def span(hosts: dict, cfg: Config) -> int:
+    """Ports the job takes on its busiest host: a block of 1 + links per process there."""
+    return max(Counter(h for ranks in hosts.values() for h in ranks).values()) * (1 + runtime.num_links(cfg))
 
 
 # -- sources ---------------------------------------------------------------------------
@@ -214,9 +219,8 @@ def _from_slurm(environ, cfg: Config) -> Placement:
                           f"distribution puts on {hosts[mine[0]][mine[1]]!r}, but it runs on {node!r} "
                           f"(SLURMD_NODENAME); launch with srun --distribution=block")
     # Jobs that share a node take disjoint ranges: whole spans of this job's size.
-    span = max(Counter(h for ranks in hosts.values() for h in ranks).values()) * (1 + runtime.num_links(cfg))
-    job = environ.get("SLURM_JOB_ID", "0")
-    default = _SLURM_PORTS[0] + (int(job) if job.isdigit() else 0) % max(_SLURM_PORTS[1] // span, 1) * span
+    job, width = environ.get("SLURM_JOB_ID", "0"), span(hosts, cfg)
+    default = _SLURM_PORTS[0] + (int(job) if job.isdigit() else 0) % max(_SLURM_PORTS[1] // width, 1) * width
     return Placement("slurm", *mine, hosts, _port(environ, default), _stand_in(environ))
 
 
