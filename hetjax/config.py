@@ -287,6 +287,7 @@ class Config:
     init_from: str = ""  # start a new run from these saved weights (fresh optimizer, step 0)
     hetero: HeteroConfig = HeteroConfig()
     fingerprint_every: int = 50  # parameter digest + norms every N steps (hetjax.repro); 0: first and last only
+    profile_steps: str = ""  # "A:B": trace steps A..B-1 (jax.profiler; islands: hetjax.hetero.timeline too)
 
 
 # ---------------------------------------------------------------------------
@@ -453,6 +454,16 @@ def validate(cfg: Config) -> None:
     if cfg.fingerprint_every < 0:
         raise ConfigError(f"config.fingerprint_every={cfg.fingerprint_every}: use 0 (first and last "
                           f"step only) or a positive step count")
+    _validate_profile_steps(cfg.profile_steps)
+
+
+def _validate_profile_steps(text: str) -> None:
+    if not text:
+        return
+    a, colon, b = text.partition(":")
+    if not (colon and a.strip().isdigit() and b.strip().isdigit() and int(a) < int(b)):
+        raise ConfigError(f"config.profile_steps={text!r}: write A:B with 0 <= A < B, e.g. "
+                          f"--config.profile_steps=10:13 to trace steps 10, 11 and 12")
 
 
 DATA_SOURCES = ("synthetic", "text", "jsonl", "array_record")

@@ -21,6 +21,7 @@ from hetjax import config as config_lib
 from hetjax import data, memory, metrics, repro, single
 from hetjax.compile import aot, backend
 from hetjax.hetero import job as hetero_job
+from hetjax.profiler import Profiler
 
 
 class TrainingDiverged(RuntimeError):
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics.truncate(run_dir, start)
     writer = metrics.Writer(run_dir, cfg.steps, cfg.tensorboard)
     recorder = repro.Recorder(run_dir, cfg, job.mesh, None, start, write=job.writes_fingerprints)
+    profiler = Profiler(cfg.profile_steps, run_dir / "profile", log)
     last_finite, clock = -1, time.perf_counter()
 
     def report(s, step_metrics):
@@ -119,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         for s in range(start, cfg.steps):
             batch = next(batches)
             job.digest_batch(s, batch)
+            profiler.before(s)
             state, step_metrics = job.train_step(state, batch)
+            profiler.after(s, step_metrics)
             if recorder.due(s + 1):
                 recorder.write_params(s + 1, job.param_fingerprint(state))
             # Read the previous step's metrics only now, so the device is never idle
@@ -143,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.steps not in ckpt.steps():
             save(cfg.steps)
     finally:
+        profiler.close()
         batches.close()
         signal.signal(signal.SIGTERM, previous_handler)
         writer.close()

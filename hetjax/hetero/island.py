@@ -31,6 +31,7 @@ from hetjax import checkpoint, memory, optim, pipeline, sharding, step
 from hetjax import state as state_lib
 from hetjax.config import MESH_AXES, ConfigError, IslandConfig
 from hetjax.hetero import placement
+from hetjax.hetero import timeline as timeline_lib
 from hetjax.mesh import resolve_shape
 from hetjax.pipeline.stages import BLOCKS, to_stages
 from hetjax.transfer.plan import Layout
@@ -173,6 +174,7 @@ class Island:
     rows: tuple[int, int] | None = None  # data placement
     plan: object = None  # the island's own pipeline (data placement, mesh.pipeline > 1)
     memory: object = None  # hetjax.memory's estimate for the island's part
+    timeline: timeline_lib.Timeline | None = None  # where its programs' dispatch time goes
 
     @property
     def name(self) -> str:
@@ -199,19 +201,20 @@ class Island:
                 f"{self.mesh.devices.flat[0].device_kind}): mesh {mesh}; {where}; needs "
                 f"{self.memory.describe()}")
 
-    def program(self, fn):
-        """fn (a jitted program) as this island calls it. On CPU, an island of several
-        processes runs each program to completion before the next: the CPU runtime may
-        run independent programs concurrently, and two processes starting their gloo
-        collectives in different orders would mismatch (GPUs order them on a stream)."""
+    def program(self, fn, name: str):
+        """fn (a jitted program) as this island calls it, its dispatch timed as `name`. On
+        CPU, an island of several processes runs each program to completion before the
+        next: the CPU runtime may run independent programs concurrently, and two processes
+        starting their gloo collectives in different orders would mismatch (GPUs order
+        them on a stream)."""
         if self.geometry.spec.num_processes > 1 and self.mesh.devices.flat[0].platform == "cpu":
-            return lambda *args: jax.block_until_ready(fn(*args))
-        return fn
+            fn = lambda *args, f=fn: jax.block_until_ready(f(*args))  # noqa: E731
+        return self.timeline.program(name, fn)
 
-    def compile(self, fn, *abstract_args, **jit_kwargs):
+    def compile(self, fn, *abstract_args, name: str = "", **jit_kwargs):
         """fn jitted, lowered for abstract arguments and compiled now, before the job's first
         exchange (a peer never waits mid-step on this island's compiler), as program() calls it."""
-        return self.program(jax.jit(fn, **jit_kwargs).lower(*abstract_args).compile())
+        return self.program(jax.jit(fn, **jit_kwargs).lower(*abstract_args).compile(), name or fn.__name__)
 
     def put(self, value) -> jax.Array:
         return put(value, self.mesh)
@@ -289,6 +292,8 @@ def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island
         island = Island(cfg, k, geo, mesh, icfg, rules, tx, graphdef, None, None,
                         step.batch_shardings(mesh, rules), rows=rows, plan=plan)
     island.abstract = abstract
+    island.timeline = timeline_lib.Timeline(spec.name, k, 0 if cfg.hetero.virtual else jax.process_index(),
+                                            timeline_lib.parse_window(cfg.profile_steps))
     shardings = state_lib.state_shardings(abstract, mesh, island.rules)
     if layers is not None:  # placeholders (and their Adam moments) are replicated scalars
         shardings = jax.tree.map(lambda x, s: island.replicated() if _placeholder(x) else s,

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import math
 import os
-import time
 import uuid
 from concurrent import futures
 from pathlib import Path
@@ -34,6 +33,7 @@ from hetjax.hetero import island as island_lib
 from hetjax.hetero import placement
 from hetjax.hetero import runtime
 from hetjax.hetero import scheduler
+from hetjax.hetero import timeline as timeline_lib
 from hetjax.hetero.links import IslandLost, Links
 from hetjax.hetero.pipelined import PipelineStage
 from hetjax.hetero.profile import seconds_per_layer
@@ -137,7 +137,9 @@ class Worker:
         self.stage = stage(self.island, self.links)
         self.dataset, self.rows = dataset, self.island.rows
         self.manager = checkpoint.Manager(checkpoint.default_dir(cfg) / self.name, cfg.checkpoint)
-        self.step_seconds = 0.0
+        self.timeline = self.island.timeline
+        links.observe(self.timeline)
+        self.seconds: dict[str, float] = {}  # the last step's breakdown (hetjax.hetero.timeline)
 
     def fingerprint_part(self, state) -> dict:
         """{tensor: (hash, norm)} of the parameters this island counts (hetjax.repro): its
@@ -153,11 +155,10 @@ class Worker:
         return {k: (t.hash, t.norm) for k, t in part.tensors.items()}
 
     def train_step(self, state, batch, step: int, stop: bool):
-        t = time.perf_counter()
-        self.links.transfer_seconds = 0.0
+        self.timeline.begin(step)
         state, metrics, stops = self.stage.train_step(state, batch, f"train{step}", stop)
         metrics = jax.device_get(metrics)
-        self.step_seconds = time.perf_counter() - t
+        self.seconds = self.timeline.end()
         return state, metrics, stops
 
 
@@ -364,10 +365,11 @@ class Job:
         self.step_count += 1
         self.stop_requested = bool(np.any([o[2] for o in out]))
         values = dict(out[0][1])
-        values["step_time"] = max(w.step_seconds for w in self.workers)
+        values["step_time"] = max(w.seconds["step"] for w in self.workers)
         for w in self.workers:
-            values[f"{w.name}/step_time"] = w.step_seconds
-            values[f"{w.name}/transfer_time"] = w.links.transfer_seconds
+            values[f"{w.name}/step_time"] = w.seconds["step"]
+            values[f"{w.name}/transfer_time"] = sum(w.seconds[p] for p in timeline_lib.WAITS)
+            values.update({f"{w.name}/{p}": w.seconds[p] for p in (*timeline_lib.PARTS, "host_copy")})
         return [o[0] for o in out], values
 
     def eval_sums(self, states, i: int) -> dict:
@@ -419,5 +421,7 @@ class Job:
         return metrics_lib.model_flops_per_token(self.cfg, num_params) * self.cfg.batch_size * self.cfg.seq_len
 
     def close(self) -> None:
+        for w in self.workers:
+            w.timeline.write(self.cfg.run_dir)
         for links in self._links:
             links.close()

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetjax.hetero import runtime
+from hetjax.hetero import timeline as timeline_lib
 from hetjax.hetero.island import geometry, put
 from hetjax.transfer import TransferError, TransferTimeout, local, open_endpoint
 
@@ -51,7 +52,7 @@ class Links:
         self.names = [i.name for i in cfg.hetero.islands]
         self.settings, self.job_id = settings, job_id
         self.endpoints, self.peers = {}, {}
-        self.transfer_seconds = 0.0  # time this island's host thread spent waiting on links
+        self.timeline = timeline_lib.Timeline(self.names[k], k)  # replaced by the island's own (observe)
         deadline = time.monotonic() + cfg.hetero.timeout_s  # one wait for every name to resolve
 
         def left():
@@ -72,19 +73,31 @@ class Links:
                                                  f"island {self.names[j]} rank {p}'s transfer address"),)
                              for p in range(spec.num_processes)}
 
+    def observe(self, timeline: timeline_lib.Timeline) -> None:
+        """Counts this island's waits, messages and copies into `timeline`."""
+        self.timeline = timeline
+        for ep in self.endpoints.values():
+            ep.observer = lambda tag, start, end: timeline.add("host_copy", f"copy {tag}", start, end, "copies")
+
     def tag(self, src: int, dst: int, what: str) -> str:
         return f"{self.job_id}{self.names[src]}>{self.names[dst]}/{what}"
 
     def send(self, j: int, tree, what: str, dst_layouts):
         """Starts sending tree to island j (a Handle); dst_layouts: j's layouts of it."""
-        return self.endpoints[j].send(tree, self.tag(self.k, j, what), dst_layouts, self.peers.get(j))
+        handle = self.endpoints[j].send(tree, self.tag(self.k, j, what), dst_layouts, self.peers.get(j))
+        self.timeline.message(f"send {what}", handle)
+        return handle
 
     def recv(self, j: int, what: str, like, src_layouts):
         """Starts receiving from island j (a Handle): `like` has our shardings."""
-        return self.endpoints[j].recv(self.tag(j, self.k, what), like, src_layouts, self.peers.get(j))
+        handle = self.endpoints[j].recv(self.tag(j, self.k, what), like, src_layouts, self.peers.get(j))
+        self.timeline.message(f"recv {what}", handle)
+        return handle
 
-    def wait(self, handle, j: int):
-        """handle.wait(), timed, with a lost peer named by island (and rank when known)."""
+    def wait(self, handle, j: int, sent: bool = False):
+        """handle.wait(), timed into the timeline (wait_sends for a send; for a receive,
+        wait_peer until its first byte, then wait_bytes), with a lost peer named by
+        island (and rank when known)."""
         t = time.perf_counter()
         try:
             return handle.wait()
@@ -97,7 +110,16 @@ class Links:
         except TransferError as e:
             raise TransferError(f"link from island {self.names[self.k]} to island {self.names[j]}: {e}") from e
         finally:
-            self.transfer_seconds += time.perf_counter() - t
+            end, first = time.perf_counter(), handle.first_byte
+            name = handle.describe.split(" from ")[0]
+            if sent:
+                self.timeline.add("wait_sends", name, t, end)
+            elif first is None or first >= end:  # direct: the first byte is not seen
+                self.timeline.add("wait_peer", name, t, end)
+            else:
+                first = min(max(first, t), end)
+                self.timeline.add("wait_peer", name, t, first)
+                self.timeline.add("wait_bytes", name, first, end)
 
     def all_to_all(self, tree, what: str, src_layouts_of, dst_layouts_of, like, among=None) -> list:
         """Every island's `tree`, in island order (ours included as given): we send ours to
@@ -113,7 +135,7 @@ class Links:
             self.raise_failed_sends(sends)
             raise
         for j, h in sends:
-            self.wait(h, j)
+            self.wait(h, j, sent=True)
         return out
 
     def raise_failed_sends(self, sends) -> None:

@@ -67,17 +67,17 @@ class PipelineStage:
         self.bwd = island.compile(bwd, P, P, scalar, B, index, x_like, dy_like, donate_argnums=(1, 2),
                                   out_shardings=(params_sh, None if first else act, replicated))
         self.zeros = island.compile(lambda p: (jax.tree.map(jnp.zeros_like, p), jnp.zeros((), jnp.float32)),
-                                    P, out_shardings=(params_sh, replicated))
+                                    P, out_shardings=(params_sh, replicated), name="zeros")
         self.count = island.compile(lambda b: jnp.sum(b["loss_mask"].astype(jnp.float32)), B,
-                                    out_shardings=replicated)
+                                    out_shardings=replicated, name="count")
         mask = island_lib.owned(island.abstract.params, k, n, self.tied)
-        self.sumsq = island.compile(lambda g: sum_of_squares(g, mask), P, out_shardings=replicated)
+        self.sumsq = island.compile(lambda g: sum_of_squares(g, mask), P, out_shardings=replicated, name="sumsq")
         self.apply = island.compile(make_apply(cfg, island.tx), aot.abstract(island.abstract, island.shardings),
                                     P, island.like((3,), jnp.float32), donate_argnums=0,
-                                    out_shardings=(island.shardings, replicated))
+                                    out_shardings=(island.shardings, replicated), name="apply")
         self.shared = [name for name in island_lib.shared(island.abstract.params, n, self.tied)
                        if k in island_lib.holders(name, n, self.tied)]
-        self._add = island.program(jax.jit(add_in_order))  # only for shared leaves, rarely
+        self._add = island.program(jax.jit(add_in_order), "add_shared")  # only for shared leaves, rarely
 
     # -- one pass of the schedule -------------------------------------------------
 
@@ -98,18 +98,18 @@ class PipelineStage:
                     stash[m] = x
                 if last and train:
                     continue  # the last stage's backward computes its forward and the loss
-                y = self.fwd(params, batch, mm, x)
+                y = self.fwd(params, batch, mm, x, label=f"F{m}")
                 if last:
                     loss = loss + y
                 else:
                     sends.append((nxt, links.send(nxt, y, f"{what}/x{m}", self.act_layout[nxt])))
             else:
                 dy = None if last else links.wait(recv_dy.pop(m), nxt)
-                acc, dx, loss = self.bwd(params, acc, loss, batch, mm, stash.pop(m), dy)
+                acc, dx, loss = self.bwd(params, acc, loss, batch, mm, stash.pop(m), dy, label=f"B{m}")
                 if k > 0:
                     sends.append((prev, links.send(prev, dx, f"{what}/dy{m}", self.act_layout[prev])))
         for j, h in sends:
-            links.wait(h, j)
+            links.wait(h, j, sent=True)
         return acc, loss
 
     def train_step(self, state, batch, what: str, stop: bool):

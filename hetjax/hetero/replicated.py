@@ -43,7 +43,7 @@ class DataShare:
         self.sumsq = isl.compile(sum_of_squares, P, out_shardings=replicated)
         self.apply = isl.compile(make_apply(isl.cfg, isl.tx), aot.abstract(isl.abstract, isl.shardings), P,
                                  isl.like((3,), jnp.float32), donate_argnums=0,
-                                 out_shardings=(isl.shardings, replicated))
+                                 out_shardings=(isl.shardings, replicated), name="apply")
         self.like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                  isl.abstract.params, params_sh)
         self.layouts = [island_lib.remote_layouts(isl.cfg, j, param_specs(isl.cfg, j))

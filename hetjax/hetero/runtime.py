@@ -150,7 +150,10 @@ def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float
         raise IslandStartError(f"island {settings.tag}: jax's backends already exist; call "
                                f"hetero.runtime.initialize before anything touches a device")
     if settings.platform(island) == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # gloo only where collectives cross processes (jax's default once jax.distributed
+        # starts): it would carry even the collectives between one process's own devices
+        # over TCP, where the in-process ones need no network.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo" if settings.num_processes > 1 else None)
     if settings.process_id:
         # jax aborts the process (no exception) when its coordinator never answers; wait
         # for the coordinator's port here so that this case is an error naming the island.

@@ -16,6 +16,8 @@ Each process sends and receives only the pieces of its addressable shards.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -30,6 +32,9 @@ class Endpoint:
     """This process's end of one link. Subclasses implement one backend."""
 
     addresses: tuple[str, ...] = ()
+    # observer(tag, start, end): told of every copy between device and host memory that
+    # this endpoint's threads make (perf_counter times); hetjax.hetero.timeline counts them.
+    observer = None
 
     def __init__(self, cfg: LinkConfig, process_index: int | None = None):
         cfg.validate()
@@ -44,6 +49,11 @@ class Endpoint:
 
     def close(self) -> None:
         pass
+
+    def copied(self, tag: str, start: float) -> None:
+        """Reports a copy from `start` until now to the observer, if any."""
+        if self.observer is not None:
+            self.observer(tag, start, time.perf_counter())
 
     def __enter__(self):
         return self

@@ -28,12 +28,17 @@ class Handle:
         self._future, self._describe = future, describe
         self._idle, self._timeout_s = None, 0.0  # see watch()
         self.wire_bytes = 0
+        self.first_byte: float | None = None  # perf_counter time the first byte arrived (when known)
         self._result = None
         self._lock = threading.Lock()  # one fan-out: a second would be a collective on this process only
 
     @property
     def future(self) -> futures.Future:
         return self._future
+
+    @property
+    def describe(self) -> str:
+        return self._describe
 
     def run(self, fn, *args) -> Handle:
         """Runs fn(*args) in a daemon thread as this transfer (fn may add to wire_bytes)."""
@@ -47,6 +52,11 @@ class Handle:
 
     def done(self) -> bool:
         return self._future.done()
+
+    def arriving(self) -> None:
+        """Marks the first byte's arrival (the first call counts)."""
+        if self.first_byte is None:
+            self.first_byte = time.perf_counter()
 
     def wait(self):
         while True:

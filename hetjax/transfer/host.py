@@ -7,14 +7,16 @@ ways), then pushes chunks: a small JSON header (tag, leaf, piece, shape, dtype,
 region, offset, length, checksum) and the payload. The receiver checks the header
 against its own plan before reading the payload into place, verifies the checksum,
 and moves a block to the device as soon as its pieces are in, while other chunks
-are still on the wire. A producer thread copies chunk i+1 off the device while the
-streams send chunk i.
+are still on the wire. Each stream has one sending thread for the life of the
+endpoint, which starts copying its next chunk off the device while it sends the
+current one; a message smaller than a MiB takes one stream (its chunks, END, ACK).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -23,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+import typing
 import zlib
 
 import jax
@@ -43,6 +46,7 @@ _CHECKSUM = {"crc32": zlib.crc32, "adler32": zlib.adler32}
 # How long close() waits for the END frames of messages that already arrived: they follow
 # their last chunk at once, so this is only reached when a sender died mid-message.
 CLOSE_GRACE_S = 5.0
+_STREAM_BYTES = 1 << 20  # a message uses another stream for every MiB it holds, up to LinkConfig.streams
 _counted = threading.Lock()  # guards Handle.wire_bytes across stream threads
 
 
@@ -141,7 +145,7 @@ class _Inbox:
     """One posted receive: buffers for the pieces this process expects, and progress."""
 
     def __init__(self, endpoint, tag, expect, handle):
-        self.tag, self.expect, self.handle = tag, expect, handle
+        self.tag, self.expect, self.handle, self.endpoint = tag, expect, handle, endpoint
         self.lock = threading.Lock()
         self.activity = core.Activity()
         self.future = handle.future
@@ -170,11 +174,13 @@ class _Inbox:
             if self.group_left[i, gi]:
                 return
         # The block is complete: host -> device now, while other chunks still arrive.
+        t = time.perf_counter()
         group = plan.groups[gi]
         parts = [(p, self.buffers[i, k]) for k, p in enumerate(plan.pieces) if (i, k) in self.buffers and p.group == gi]
         block = core.block_from_host_pieces(group, parts, self.expect.avals[i].dtype)
         device = self.expect.avals[i].sharding.mesh.devices.flat[group.receiver]
         block = jax.device_put(block, device)
+        self.endpoint.copied(self.tag, t)
         with self.lock:
             self.blocks[i][gi] = block
             self.groups_left -= 1
@@ -202,8 +208,9 @@ class HostEndpoint(Endpoint):
         self._checksum = _CHECKSUM[cfg.checksum]
         self._inboxes: dict[str, _Inbox] = {}
         self._posted = threading.Condition()
-        self._pipes: dict[tuple, tuple[threading.Lock, list]] = {}
+        self._pipes: dict[tuple, list[_Stream]] = {}
         self._pipes_lock = threading.Lock()
+        self._turn = itertools.count()  # the stream a message starts on, round robin
         self._conns: list[socket.socket] = []
         self._closed = self._closing = False
         # Streams holding chunks whose END is not acknowledged yet: a receive completes
@@ -327,6 +334,7 @@ class HostEndpoint(Endpoint):
         if not (0 <= offset and offset + n <= buf.size):
             raise TransferError(f"recv {tag!r}: peer {peer} sent bytes {offset}..{offset + n} of a {buf.size}-byte piece")
         view = memoryview(buf)[offset:offset + n]
+        inbox.handle.arriving()
         _recv_into(conn, view, peer)
         if self._checksum(view) != meta["sum"]:
             raise TransferError(f"recv {tag!r}: a chunk from peer {peer} (leaf {i}, piece {j}, bytes "
@@ -345,95 +353,46 @@ class HostEndpoint(Endpoint):
                 if piece.src_process == self.process:
                     work.setdefault(piece.dst_process, []).append((i, j, piece))
         core.check_peers(peers, work, f"send {tag!r}", "destination")
-        handle = core.Handle(None, f"send {tag!r}")
-        jobs = [core.run_async(self._send_to, tag, leaves, plans, tuple(peers[q]), items, handle)
-                for q, items in sorted(work.items())]
-        return handle.run(lambda: [job.result() for job in jobs] and None)
+        handle = core.Handle(core.futures.Future(), f"send {tag!r}")
+        jobs = []
+        for q, items in sorted(work.items()):
+            chunks = [(i, j, piece, sub, offset) for i, j, piece in items
+                      for sub, offset in split(piece.region, np.dtype(leaves[i].dtype).itemsize, self.cfg.chunk_bytes)]
+            if not chunks:  # nothing to send; and a stream with no chunk sends no END
+                continue
+            streams = self._streams(tuple(peers[q]))
+            # Enough bytes per stream to pay for its own round trip; a small message takes one.
+            used = max(1, min(len(streams), sum(p.nbytes for _, _, p in items) // _STREAM_BYTES, len(chunks)))
+            first = next(self._turn) % len(streams)
+            for k in range(used):
+                jobs.append((streams[(first + k) % len(streams)], chunks[k::used]))
+        if not jobs:
+            handle.future.set_result(None)
+        left = [len(jobs)]
+        lock = threading.Lock()
 
-    def _pipe(self, addresses: tuple[str, ...]):
-        with self._pipes_lock:
-            if addresses not in self._pipes:
-                self._pipes[addresses] = (threading.Lock(), [])
-            return self._pipes[addresses]
+        def finished(error):
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if error is not None and not handle.future.done():
+                handle.future.set_exception(error)
+            elif last and not handle.future.done():
+                handle.future.set_result(None)
+
+        for stream, chunks in jobs:
+            stream.put(_Job(tag, leaves, plans, chunks, handle, finished))
+        return handle
 
     def _connect(self, address: str) -> socket.socket:
         return connect(address, self._secret, self.cfg.timeout_s)
 
-    def _send_to(self, tag, leaves, plans, addresses, items, handle):
-        lock, socks = self._pipe(addresses)
-        with lock:
-            try:
-                while len(socks) < self.cfg.streams:
-                    socks.append(self._connect(addresses[len(socks) % len(addresses)]))
-                self._push(tag, leaves, plans, addresses, items, handle, socks)
-            except BaseException:
-                for s in socks:
-                    s.close()
-                socks.clear()  # reconnect next time
-                raise
-
-    def _push(self, tag, leaves, plans, addresses, items, handle, socks):
-        chunks: queue.Queue = queue.Queue(maxsize=2 * len(socks))
-        stop = threading.Event()
-
-        def put(item) -> bool:  # False: the streams stopped before it went in
-            while not stop.is_set():
-                try:
-                    chunks.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    pass
-            return False
-
-        def produce():  # device -> host copies run ahead of the streams
-            try:
-                for i, j, piece in items:
-                    x = leaves[i]
-                    itemsize = np.dtype(x.dtype).itemsize
-                    meta = {"tag": tag, "leaf": i, "piece": j, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
-                            "region": [list(r) for r in piece.region]}
-                    for sub, offset in split(piece.region, itemsize, self.cfg.chunk_bytes):
-                        data = _host_chunk(x, plans[i], piece, sub)
-                        if not put((meta, offset, data)) or stop.is_set():
-                            return
-            finally:
-                for _ in socks:
-                    put(None)
-
-        def stream(sock, address):
-            sent = 0
-            while (item := chunks.get()) is not None:
-                sent += 1
-                meta, offset, data = item
-                payload = memoryview(np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8))
-                frame = dict(meta, offset=offset, n=payload.nbytes, sum=self._checksum(payload))
-                _send_frame(sock, _CHUNK, frame, address)
-                _sendall(sock, payload, address)
-                with _counted:
-                    handle.wire_bytes += payload.nbytes
-            if not sent:  # nothing to vouch for; and the receiver may be done and gone
-                return
-            _send_frame(sock, _END, {"tag": tag}, address)
-            try:
-                kind, meta = _read_frame(sock, address, idle_ok=False, timeout_s=self.cfg.timeout_s)
-            except PeerLost:
-                raise TransferError(f"send {tag!r}: peer {address} closed the stream instead of acknowledging; "
-                                    f"see its log (wrong tag, shape, dtype or a failed checksum)") from None
-            assert kind == _ACK and meta["tag"] == tag, (kind, meta)
-
-        producer = core.run_async(produce)
-        streams = [core.run_async(stream, s, addresses[k % len(addresses)]) for k, s in enumerate(socks)]
-        try:
-            for f in streams:
-                f.result()
-        finally:
-            stop.set()
-            while not producer.done():
-                try:
-                    chunks.get_nowait()
-                except queue.Empty:
-                    time.sleep(0.01)
-        producer.result()
+    def _streams(self, addresses: tuple[str, ...]) -> list["_Stream"]:
+        """The streams to one destination process, started on first use."""
+        with self._pipes_lock:
+            if addresses not in self._pipes:
+                self._pipes[addresses] = [_Stream(self, addresses[k % len(addresses)]) for k in range(self.cfg.streams)]
+            return self._pipes[addresses]
 
     def close(self):
         self._closing = True  # refuse new messages now (_inbox), so only the last ones are waited for
@@ -447,21 +406,95 @@ class HostEndpoint(Endpoint):
         for s in self._listeners + self._conns:
             s.close()
         with self._pipes_lock:
-            for _, socks in self._pipes.values():
-                for s in socks:
-                    s.close()
+            for streams in self._pipes.values():
+                for stream in streams:
+                    stream.close()
         with self._posted:
             self._posted.notify_all()
 
 
-def _host_chunk(x: jax.Array, plan, piece, sub):
-    """Chunk `sub` of a piece as host memory: a view on CPU (no copy when contiguous);
+class _Job(typing.NamedTuple):
+    """Part of one message for one stream: its chunks, and whom to tell when they are in."""
+
+    tag: str
+    leaves: list
+    plans: list
+    chunks: list  # (leaf, piece index, piece, sub-region, byte offset in the piece)
+    handle: core.Handle
+    finished: typing.Callable  # finished(None) once acknowledged, finished(error) on failure
+
+
+class _Stream:
+    """One TCP connection to a destination process, with its own thread that sends the
+    jobs put to it in order: each job's chunks, then END, then it waits for the ACK
+    (the receiver has verified every chunk). It connects on first use, and again after
+    a failure."""
+
+    def __init__(self, endpoint: HostEndpoint, address: str):
+        self.endpoint, self.address = endpoint, address
+        self.sock: socket.socket | None = None
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name=f"hetjax-send-{address}").start()
+
+    def put(self, job: _Job) -> None:
+        self.jobs.put(job)
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        if self.sock is not None:
+            self.sock.close()
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                if self.sock is None:
+                    self.sock = self.endpoint._connect(self.address)
+                self._send(job)
+            except BaseException as e:  # noqa: BLE001 - handed to the message's handle
+                if self.sock is not None:
+                    self.sock.close()
+                    self.sock = None  # reconnect for the next job
+                job.finished(e)
+            else:
+                job.finished(None)
+
+    def _send(self, job: _Job) -> None:
+        ep, sock, address, tag = self.endpoint, self.sock, self.address, job.tag
+        copy = _host_chunk(job, 0, ep)  # the next chunk's copy to the host runs while this one is sent
+        for k, (i, j, piece, sub, offset) in enumerate(job.chunks):
+            data, copy = copy, (_host_chunk(job, k + 1, ep) if k + 1 < len(job.chunks) else None)
+            x = job.leaves[i]
+            payload = memoryview(np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8))
+            frame = {"tag": tag, "leaf": i, "piece": j, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
+                     "region": [list(r) for r in piece.region], "offset": offset, "n": payload.nbytes,
+                     "sum": ep._checksum(payload)}
+            _send_frame(sock, _CHUNK, frame, address)
+            _sendall(sock, payload, address)
+            with _counted:
+                job.handle.wire_bytes += payload.nbytes
+        _send_frame(sock, _END, {"tag": tag}, address)
+        try:
+            kind, meta = _read_frame(sock, address, idle_ok=False, timeout_s=ep.cfg.timeout_s)
+        except PeerLost:
+            raise TransferError(f"send {tag!r}: peer {address} closed the stream instead of acknowledging; "
+                                f"see its log (wrong tag, shape, dtype or a failed checksum)") from None
+        assert kind == _ACK and meta["tag"] == tag, (kind, meta)
+
+
+def _host_chunk(job: _Job, k: int, endpoint: HostEndpoint):
+    """Chunk k of a job as host memory: a view on CPU (no copy when contiguous);
     elsewhere a device-side slice whose copy to the host starts now (it is read later)."""
+    i, _, piece, sub, _ = job.chunks[k]
+    x, plan = job.leaves[i], job.plans[i]
     data = core.shard_on(x, piece.src)
     within = plan.src_regions[piece.src]
     index = core.local_slices(sub, within)
     if next(iter(data.devices())).platform == "cpu":
-        return np.asarray(data)[index]
+        data.block_until_ready()  # the producing program's time is not a copy's
+        t = time.perf_counter()
+        out = np.asarray(data)[index]
+        endpoint.copied(job.tag, t)
+        return out
     part = core.as_bits(data)[index]
     part.copy_to_host_async()
     return part

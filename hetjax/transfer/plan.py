@@ -15,6 +15,7 @@ picked so that the bytes sent per source process stay balanced.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from typing import Sequence
@@ -49,10 +50,7 @@ class Layout:
     @classmethod
     def of(cls, sharding) -> "Layout":
         """The Layout of a live NamedSharding (processes from each device)."""
-        mesh = sharding.mesh
-        spec = tuple(_axes(e) if isinstance(e, (tuple, list)) else e for e in sharding.spec)
-        return cls(tuple(mesh.devices.shape), tuple(mesh.axis_names),
-                   tuple(int(d.process_index) for d in mesh.devices.flat), spec)
+        return _layout_of(cls, sharding)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -66,6 +64,14 @@ class Layout:
     @property
     def num_processes(self) -> int:
         return len(set(self.processes))
+
+
+@functools.lru_cache(maxsize=1024)  # shardings are hashable, and every step reuses a few
+def _layout_of(cls, sharding) -> Layout:
+    mesh = sharding.mesh
+    spec = tuple(_axes(e) if isinstance(e, (tuple, list)) else e for e in sharding.spec)
+    return cls(tuple(mesh.devices.shape), tuple(mesh.axis_names),
+               tuple(int(d.process_index) for d in mesh.devices.flat), spec)
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -156,7 +162,11 @@ class Plan:
 
 def make_plan(shape: Sequence[int], itemsize: int, src: Layout, dst: Layout) -> Plan:
     """For every destination replica group, the pieces of source shards it needs."""
-    shape = tuple(int(s) for s in shape)
+    return _make_plan(tuple(int(s) for s in shape), int(itemsize), src, dst)
+
+
+@functools.lru_cache(maxsize=4096)  # a step sends the same shapes and layouts every time
+def _make_plan(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout) -> Plan:
     src_regions, dst_regions = regions(src, shape), regions(dst, shape)
     holders: dict[Region, list[int]] = {}  # distinct source block -> positions holding it
     for pos, r in enumerate(src_regions):
