@@ -76,12 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     profiler = Profiler(cfg.profile_steps, run_dir / "profile", log)
     last_finite, clock = -1, time.perf_counter()
 
-    def report(s, step_metrics):
-        nonlocal last_finite, clock
+    def report(s, step_metrics, step_time):
+        nonlocal last_finite
         values = jax.device_get(step_metrics)
-        now = time.perf_counter()
-        # A job whose step returns only when done (islands) times it itself.
-        step_time, clock = values.pop("step_time", now - clock), now
         if not np.isfinite(values["loss"]):
             raise TrainingDiverged(
                 f"loss is {values['loss']} at step {s}; the last finite loss was at step "
@@ -124,12 +121,18 @@ def main(argv: list[str] | None = None) -> int:
             profiler.before(s)
             state, step_metrics = job.train_step(state, batch)
             profiler.after(s, step_metrics)
+            # A step's time: from the previous step's dispatch to this one's, the loop's own
+            # work included, for every kind of job alike. With asynchronous dispatch the host
+            # runs at most a step ahead (flush below waits for the previous step's metrics),
+            # so over the steps this is the device's rate.
+            now = time.perf_counter()
+            step_time, clock = now - clock, now
             if recorder.due(s + 1):
                 recorder.write_params(s + 1, job.param_fingerprint(state))
             # Read the previous step's metrics only now, so the device is never idle
             # waiting for the host.
             flush()
-            previous = (s, step_metrics)
+            previous = (s, step_metrics, step_time)
             if cfg.eval_every and (s + 1) % cfg.eval_every == 0:
                 flush()
                 evaluate(s)

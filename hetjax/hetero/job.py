@@ -157,7 +157,6 @@ class Worker:
     def train_step(self, state, batch, step: int, stop: bool):
         self.timeline.begin(step)
         state, metrics, stops = self.stage.train_step(state, batch, f"train{step}", stop)
-        metrics = jax.device_get(metrics)
         self.seconds = self.timeline.end()
         return state, metrics, stops
 
@@ -365,7 +364,6 @@ class Job:
         self.step_count += 1
         self.stop_requested = bool(np.any([o[2] for o in out]))
         values = dict(out[0][1])
-        values["step_time"] = max(w.seconds["step"] for w in self.workers)
         for w in self.workers:
             values[f"{w.name}/step_time"] = w.seconds["step"]
             values[f"{w.name}/transfer_time"] = sum(w.seconds[p] for p in timeline_lib.WAITS)

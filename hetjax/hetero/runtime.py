@@ -16,10 +16,14 @@ import dataclasses
 import inspect
 import ipaddress
 import math
+import os
 import socket
 
 from hetjax.config import Config, ConfigError, IslandConfig
 from hetjax.transfer.link import address, retry
+
+
+CPUS_VARIABLE = "HETJAX_CPUS"  # cores this process keeps to (launch.local's stand-in islands)
 
 
 class IslandStartError(RuntimeError):
@@ -149,6 +153,12 @@ def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float
     if backend.backends_started():
         raise IslandStartError(f"island {settings.tag}: jax's backends already exist; call "
                                f"hetero.runtime.initialize before anything touches a device")
+    cpus = os.environ.get(CPUS_VARIABLE, "")
+    if cpus:  # before jax starts: XLA sizes its thread pools by the cores it may use
+        try:
+            os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"{CPUS_VARIABLE}={cpus!r}: expected cores of this machine, e.g. 0,1 ({e})") from None
     if settings.platform(island) == "cpu":
         # gloo only where collectives cross processes (jax's default once jax.distributed
         # starts): it would carry even the collectives between one process's own devices
