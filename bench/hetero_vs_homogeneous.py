@@ -1,12 +1,15 @@
 """Two islands against one: the same model on the same total devices.
 
     python -m bench.hetero_vs_homogeneous [--config configs/tiny_hetero.py] [--config.KEY=VALUE ...]
-                                          [--steps 30] [--skip 5]
+                                          [--steps 30] [--skip 5] [--data] [--no-pin]
 
 One island: one process holding every device, the SPMD pipeline over the `pipeline`
-axis (one stage per island, the islands' layer split and mesh). Two islands: one
-jax.distributed world per island started by launch.local (pipeline placement), first
-over the `host` transfer backend, then `direct`. Each run's tokens/s comes from its
+axis (one stage per island, the islands' layer split and mesh), or with --data a
+`data` axis of one slice per island. Two islands: one process per island started by
+launch.local (pipeline placement, or data placement with --data), first over the
+`host` transfer backend, then `direct`. On CPU each island's process keeps to its own
+share of the cores (launch.local's cpu_shares) and the one island gets them all;
+--no-pin lets the islands' processes share every core. Each run's tokens/s comes from its
 metrics.jsonl: tokens over step time of the steps after the first --skip (compiles)
 and before the last (whose time is not a whole step). Where the islands' platforms
 are not installed, they run on the installed one (on a CPU-only machine: CPU islands
@@ -17,6 +20,7 @@ tokens/s, per backend.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -44,16 +48,20 @@ def tokens_per_sec(run_dir: Path, skip: int) -> tuple[float, float, int]:
 
 
 def one_island_overrides(cfg) -> dict[str, str]:
-    """The same model as one island: every island's devices, one pipeline stage per island."""
+    """The same model as one island of all the islands' devices: one pipeline stage per
+    island (pipeline placement), or one slice of the `data` axis per island (data)."""
     islands = cfg.hetero.islands
-    if cfg.hetero.placement != "pipeline":
-        raise ConfigError(f"config.hetero.placement={cfg.hetero.placement!r}: this benchmark compares "
-                          f"pipeline placement with the single-island pipeline")
     shapes = {(i.num_processes * i.devices_per_process, i.mesh) for i in islands}
     if len(shapes) > 1:
-        raise ConfigError("config.hetero.islands differ in devices or mesh; the single-island pipeline "
-                          "needs every stage alike: give the islands equal meshes")
+        raise ConfigError("config.hetero.islands differ in devices or mesh; one island with a stage "
+                          "(or data slice) per island needs them alike: give the islands equal meshes")
     m = islands[0].mesh
+    if cfg.hetero.placement == "data":
+        if m.pipeline != 1 or m.data != 1:
+            raise ConfigError(f"config.hetero.islands[0].mesh={m}: with --data the one-island run puts the "
+                              f"islands on its `data` axis; give the islands pipeline=1 and data=1")
+        return {"hetero.islands": "()", "mesh.pipeline": "1", "mesh.data": str(len(islands)),
+                "mesh.fsdp": str(m.fsdp), "mesh.tensor": str(m.tensor)}
     return {"hetero.islands": "()", "mesh.pipeline": str(len(islands)), "mesh.data": str(m.data),
             "mesh.fsdp": str(m.fsdp), "mesh.tensor": str(m.tensor),
             "pipeline.stage_layers": str(placement.island_layers(cfg))}
@@ -62,17 +70,20 @@ def one_island_overrides(cfg) -> dict[str, str]:
 def main(argv: list[str]) -> int:
     if not any(a == "--config" or a.startswith("--config=") for a in argv):
         argv = ["--config", DEFAULT] + argv
-    counts = {"--steps": (30, 4), "--skip": (5, 1)}
-    _, opts = common.parse(argv, counts, doc=__doc__)  # checks every argument
+    counts, switches = {"--steps": (30, 4), "--skip": (5, 1)}, ("--data", "--no-pin")
+    _, opts = common.parse(argv, counts, switches, doc=__doc__)  # checks every argument
     rest, args = [], list(argv)
     while args:  # what the runs themselves get: --config and its overrides
         arg = args.pop(0)
         if arg in counts:
             args.pop(0)
-        elif arg.partition("=")[0] not in counts:
+        elif arg.partition("=")[0] not in counts and arg not in switches:
             rest.append(arg)
     cmd = config_lib.parse_command_line(rest, flags=())
     config, overrides = cmd.config, dict(cmd.overrides)
+    if opts["data"]:
+        overrides["hetero.placement"] = "data"
+    pin = "off" if opts["no_pin"] else "auto"
     if opts["steps"] <= opts["skip"] + 1:
         raise ConfigError(f"--steps={opts['steps']} leaves no step to time after --skip={opts['skip']}")
     work = Path(tempfile.mkdtemp(prefix="hetero_bench_"))
@@ -86,8 +97,15 @@ def main(argv: list[str]) -> int:
     stand_in = "" if all(i.platform == installed for i in cfg.hetero.islands) else installed
     total = sum(i.num_processes * i.devices_per_process for i in cfg.hetero.islands)
     processes = sum(i.num_processes for i in cfg.hetero.islands)
-    print(f"{cfg.name}: {len(cfg.hetero.islands)} islands, {total} {installed} devices in all; "
-          f"{opts['steps']} steps, timing those after the first {opts['skip']}; logs in {work}", flush=True)
+    cores = sorted(os.sched_getaffinity(0))
+    shares = local.cpu_shares([i.devices_per_process for i in cfg.hetero.islands for _ in range(i.num_processes)],
+                              cores) if installed == "cpu" and pin == "auto" else None
+    print(f"{cfg.name}: {len(cfg.hetero.islands)} islands ({cfg.hetero.placement} placement), {total} {installed} "
+          f"devices in all; {opts['steps']} steps, timing those after the first {opts['skip']}; logs in {work}",
+          flush=True)
+    print(f"cores: one island uses {len(cores)} ({','.join(map(str, cores))}); "
+          + (f"the islands' processes get {' and '.join(','.join(map(str, s)) for s in shares)}" if shares
+             else "the islands' processes share them all"), flush=True)
 
     one = work / "one_island"
     # Each run compiles afresh into its own cache (a direct run after a host run of the same
@@ -101,7 +119,8 @@ def main(argv: list[str]) -> int:
         print(f"the one-island run failed ({code}); see {work / 'one_island.log'}")
         return code
     base, loss, n = tokens_per_sec(one, opts["skip"])
-    print(f"one island  (1 process, {total} devices, SPMD pipeline): {base:10.1f} tokens/s  "
+    kind = "data axis" if cfg.hetero.placement == "data" else "SPMD pipeline"
+    print(f"one island  (1 process, {total} devices, {kind}): {base:10.1f} tokens/s  "
           f"(last loss {loss:.4f}, {n} steps timed)", flush=True)
     ratios = {}
     for name in BACKENDS:
@@ -109,7 +128,7 @@ def main(argv: list[str]) -> int:
         with open(work / f"two_islands_{name}.log", "w") as log:
             code = local.run(config, {**overrides, "run_dir": str(run_dir),
                                       "compile.cache_dir": str(work / f"cache_{name}")},
-                             stand_in=stand_in, backend=name, out=log)
+                             stand_in=stand_in, backend=name, out=log, pin=pin)
         if code:
             print(f"the two-island run over {name} failed ({code}); see {run_dir / 'logs'}")
             return code

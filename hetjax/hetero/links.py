@@ -98,6 +98,7 @@ class Links:
         """handle.wait(), timed into the timeline (wait_sends for a send; for a receive,
         wait_peer until its first byte, then wait_bytes), with a lost peer named by
         island (and rank when known)."""
+        self.timeline.settle()
         t = time.perf_counter()
         try:
             return handle.wait()

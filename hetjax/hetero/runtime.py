@@ -144,9 +144,10 @@ def wait_for_port(address: str, timeout_s: float, what: str) -> None:
 def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float) -> None:
     """Joins this process to its island's jax.distributed world (call before jax.devices()).
 
-    On CPU, cross-process collectives inside the island go over gloo. A coordinator that
-    does not answer within timeout_s raises IslandStartError naming the island; after the
-    start, a member that dies makes the others fail within about timeout_s (heartbeats).
+    An island of one process joins no world (see below). On CPU, cross-process collectives
+    inside the island go over gloo. A coordinator that does not answer within timeout_s
+    raises IslandStartError naming the island; after the start, a member that dies makes
+    the others fail within about timeout_s (heartbeats).
     """
     import jax
     from hetjax.compile import backend
@@ -159,11 +160,15 @@ def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float
             os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
         except (ValueError, OSError) as e:
             raise ConfigError(f"{CPUS_VARIABLE}={cpus!r}: expected cores of this machine, e.g. 0,1 ({e})") from None
+    if settings.num_processes == 1:
+        # A world of one process needs no coordinator, and jax.distributed would cost it
+        # dearly on CPU: gloo would carry even the collectives between the process's own
+        # devices over TCP (steps about 6x slower on the tiny islands), and without gloo its
+        # launch ids, which must agree across processes, are not unique within one, so two
+        # programs in flight can meet in one rendezvous and abort the process.
+        return _check_devices(settings, island)
     if settings.platform(island) == "cpu":
-        # gloo only where collectives cross processes (jax's default once jax.distributed
-        # starts): it would carry even the collectives between one process's own devices
-        # over TCP, where the in-process ones need no network.
-        jax.config.update("jax_cpu_collectives_implementation", "gloo" if settings.num_processes > 1 else None)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if settings.process_id:
         # jax aborts the process (no exception) when its coordinator never answers; wait
         # for the coordinator's port here so that this case is an error naming the island.
@@ -177,6 +182,11 @@ def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float
             f"island {settings.tag} could not join its jax.distributed world at "
             f"{settings.coordinator} within {timeout_s:g}s (config.hetero.timeout_s): "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    _check_devices(settings, island)
+
+
+def _check_devices(settings: ProcessSettings, island: IslandConfig) -> None:
+    import jax
     found = len(jax.local_devices())
     if found != island.devices_per_process:
         raise ConfigError(

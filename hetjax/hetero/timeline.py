@@ -8,8 +8,9 @@ schedule) into:
   wait_bytes  waiting from a message's first byte to its last (and its copy to the
               device): bytes in flight;
   wait_sends  waiting for our own sends to be taken, at the end of the step;
-  compute     the rest: the host thread blocked on its own device's results (the
-              step's metrics), and Python.
+  compute     the rest: the host thread blocked on its own device's programs (before
+              every wait on a link it first waits for them, so that a link wait is
+              never our own device's time), and Python.
 host_copy counts the seconds that transfer threads spent copying between device and
 host memory; they run beside the host thread, so it is not part of that sum. On the
 `direct` backend the first byte of a message is not visible, so its whole wait counts as
@@ -67,7 +68,8 @@ class Timeline:
         # One wall clock for every process; perf_counter for the intervals.
         self._wall0, self._perf0 = time.time(), time.perf_counter()
         self._watch: queue.Queue | None = None
-        self._step_start = 0.0
+        self._last = None  # outputs of the last dispatched program (settle)
+        self._step_start, self._step_end, self._loop = 0.0, None, 0.0
 
     # -- clock ---------------------------------------------------------------------
 
@@ -115,10 +117,24 @@ class Timeline:
             out = fn(*args)
             end = time.perf_counter()
             self.add("dispatch", label or name, t, end)
+            self._last = out
             if self._watch is not None:
                 self._watch.put((label or name, end, out))
             return out
         return call
+
+    def settle(self) -> None:
+        """Waits, as `compute`, for the island's last dispatched program: a wait on a link
+        that follows counts only the time the peer or the bytes take."""
+        out, self._last = self._last, None
+        if out is None:
+            return
+        t = time.perf_counter()
+        try:
+            jax.block_until_ready(out)
+        except RuntimeError:  # an output already donated to a later program: that one is done
+            pass
+        self.add("compute", "own device", t, time.perf_counter())
 
     def _watcher(self, work: queue.Queue) -> None:
         done = time.perf_counter()
@@ -147,21 +163,24 @@ class Timeline:
         with self._lock:
             self.seconds.clear()
         self._step_start = time.perf_counter()
+        # The training loop's own work since the last step (batches, metrics, digests).
+        self._loop = self._step_start - self._step_end if self._step_end is not None else 0.0
         self._step = step
 
     def end(self) -> dict[str, float]:
-        """The step's seconds by part (PARTS, host_copy and the whole step)."""
-        end = time.perf_counter()
+        """The step's seconds by part (PARTS, host_copy, loop and the whole step)."""
+        end = self._step_end = time.perf_counter()
         total = end - self._step_start
         with self._lock:
             out = {p: self.seconds[p] for p in PARTS[1:]}
             out["host_copy"] = self.seconds["host_copy"]
+            settled = self.seconds["compute"]
             if self.recording:
                 self.events.append({"name": f"step {self._step}", "cat": "step", "ph": "X",
                                     "ts": self._us(self._step_start), "dur": total * 1e6,
                                     "pid": self.index, "tid": TRACKS.index("host")})
-        out["compute"] = max(total - sum(out[p] for p in PARTS[1:]), 0.0)
-        out["step"] = total
+        out["compute"] = max(total - sum(out[p] for p in PARTS[1:]), settled)
+        out["step"], out["loop"] = total, self._loop
         return out
 
     def write(self, run_dir: Path) -> Path | None:
