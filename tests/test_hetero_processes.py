@@ -13,6 +13,7 @@ import time
 import pytest
 
 from hetjax import checkpoint, train
+from hetjax.hetero import timeline
 from launch import local
 
 CONFIG = """
@@ -109,14 +110,38 @@ def test_the_tiny_hetero_config_trains_through_launch_local(tmp_path, capsys):
     # variables read back by hetero.scheduler, one jax.distributed world per island.
     run_dir = tmp_path / "tiny"
     code = local.main(["--config", "configs/tiny_hetero.py", "--stand_in", "cpu", "--config.steps=12",
-                       "--config.optim.warmup_steps=2", "--config.log_every=1", "--config.eval_every=0", f"--config.run_dir={run_dir}"])
+                       "--config.optim.warmup_steps=2", "--config.log_every=1", "--config.eval_every=0",
+                       f"--config.run_dir={run_dir}", "--config.profile_steps=5:7"])
     text = capsys.readouterr().out
     assert code == 0, text[-3000:]
     for tag in ("cuda:0", "rocm:0"):
         island = tag.split(":")[0]
-        assert re.search(rf"\[{tag}\] .*island {island} rank 0/1 \(from hetjax\) on cpu standing in for {island}",
-                         text), text[-3000:]
+        assert re.search(rf"\[{tag}\] .*compilation cache: off \(CPU islands compile afresh\).*island {island} "
+                         rf"rank 0/1 \(from hetjax\) on cpu standing in for {island}", text), text[-3000:]
     got = losses(run_dir)
     assert sorted(got) == list(range(12))
     first, last = sum(got[s] for s in range(3)) / 3, sum(got[s] for s in range(9, 12)) / 3
     assert last < first - 0.3, (first, last)  # it learns (from ln 256 = 5.5 at the start)
+
+    # Every step, each island's time by part; the parts add up to the island's step.
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows += [json.loads(line) for line in (run_dir / "islands" / "rocm-0" / "metrics.jsonl").read_text().splitlines()]
+    for row in (r for r in rows if "loss" in r):
+        island = next(k.split("/")[0] for k in row if k.endswith("/wait_peer"))
+        parts = [row[f"{island}/{p}"] for p in timeline.PARTS]
+        assert min(parts) >= 0 and row[f"{island}/host_copy"] >= 0
+        assert sum(parts) == pytest.approx(row[f"{island}/step_time"], rel=0.05, abs=2e-3), row
+
+    # Steps 5 and 6 traced by each island, merged into one picture.
+    assert timeline.main([str(run_dir)]) == 0
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    assert (run_dir / "timeline.png").stat().st_size > 10_000
+    for pid, island in enumerate(("cuda", "rocm")):
+        mine = [e for e in events if e.get("pid") == pid]
+        assert sorted(e["name"] for e in mine if e.get("cat") == "step") == ["step 5", "step 6"]
+        device = {e["name"] for e in mine if e.get("cat") == "compute" and e.get("tid") == 1}
+        # 1F1B: the first island runs every forward and backward, the last fuses them (B).
+        want = {f"{op}{m}" for op in ("FB" if pid == 0 else "B") for m in range(4)} | {"apply"}
+        assert want <= device, device
+        assert any(e.get("ph") == "b" and e["name"].startswith("recv train5/") for e in mine)
+    assert list((run_dir / "profile").rglob("*.xplane.pb"))  # jax.profiler's trace of the same steps

@@ -111,16 +111,7 @@ class Links:
         except TransferError as e:
             raise TransferError(f"link from island {self.names[self.k]} to island {self.names[j]}: {e}") from e
         finally:
-            end, first = time.perf_counter(), handle.first_byte
-            name = handle.describe.split(" from ")[0]
-            if sent:
-                self.timeline.add("wait_sends", name, t, end)
-            elif first is None or first >= end:  # direct: the first byte is not seen
-                self.timeline.add("wait_peer", name, t, end)
-            else:
-                first = min(max(first, t), end)
-                self.timeline.add("wait_peer", name, t, first)
-                self.timeline.add("wait_bytes", name, first, end)
+            self.timeline.waited(handle, t, sent)
 
     def all_to_all(self, tree, what: str, src_layouts_of, dst_layouts_of, like, among=None) -> list:
         """Every island's `tree`, in island order (ours included as given): we send ours to

@@ -94,6 +94,20 @@ class Timeline:
             finally:
                 self.add(part, name, t, time.perf_counter())
 
+    def waited(self, handle, start: float, sent: bool) -> None:
+        """Counts a wait on `handle` from `start` until now: wait_sends for a send; for a
+        receive, wait_peer until its first byte and wait_bytes after."""
+        end, first = time.perf_counter(), handle.first_byte
+        name = handle.describe.split(" from ")[0]
+        if sent:
+            self.add("wait_sends", name, start, end)
+        elif first is None or first >= end:  # direct: the first byte is not seen
+            self.add("wait_peer", name, start, end)
+        else:
+            first = min(max(first, start), end)
+            self.add("wait_peer", name, start, first)
+            self.add("wait_bytes", name, first, end)
+
     def message(self, name: str, handle) -> None:
         """While recording, a message in flight from now until `handle` completes."""
         if not self.recording:

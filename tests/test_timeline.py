@@ -1,0 +1,109 @@
+"""Where an island's step time goes (hetjax.hetero.timeline): each part is checked
+against waits and programs of known length, and the trace a profiled job writes is
+checked against the schedule it ran."""
+
+import json
+import threading
+import time
+from concurrent import futures
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hetjax.hetero import timeline as timeline_lib
+from hetjax.transfer import core
+from launch.local import cpu_shares
+
+
+def finishing(after_s: float, first_byte_s: float | None) -> core.Handle:
+    """A handle whose first byte arrives after first_byte_s and whose result after after_s."""
+    handle = core.Handle(futures.Future(), "recv 'x' from source process 0")
+
+    def later():
+        start = time.perf_counter()
+        if first_byte_s is not None:
+            time.sleep(first_byte_s)
+            handle.arriving()
+        time.sleep(after_s - (time.perf_counter() - start))
+        handle.future.set_result(None)
+
+    threading.Thread(target=later, daemon=True).start()
+    return handle
+
+
+def test_a_wait_counts_as_peer_until_the_first_byte_then_as_bytes():
+    tl = timeline_lib.Timeline("a", 0)
+    tl.begin(0)
+    handle = finishing(0.30, 0.20)
+    t = time.perf_counter()
+    handle.wait()
+    tl.waited(handle, t, sent=False)
+    sent = finishing(0.05, None)
+    t = time.perf_counter()
+    sent.wait()
+    tl.waited(sent, t, sent=True)
+    parts = tl.end()
+    assert parts["wait_peer"] == pytest.approx(0.20, abs=0.04)
+    assert parts["wait_bytes"] == pytest.approx(0.10, abs=0.04)
+    assert parts["wait_sends"] == pytest.approx(0.05, abs=0.03)
+    # The parts of the step add up to the step.
+    assert sum(parts[p] for p in timeline_lib.PARTS) == pytest.approx(parts["step"], rel=0.02, abs=1e-3)
+
+
+def test_a_wait_whose_first_byte_is_unseen_is_all_peer():
+    tl = timeline_lib.Timeline("a", 0)
+    tl.begin(0)
+    handle = finishing(0.10, None)  # the direct backend does not see its first byte
+    t = time.perf_counter()
+    handle.wait()
+    tl.waited(handle, t, sent=False)
+    parts = tl.end()
+    assert parts["wait_peer"] == pytest.approx(0.10, abs=0.04) and parts["wait_bytes"] == 0
+
+
+def test_own_programs_count_as_compute_not_as_a_wait():
+    x = jnp.ones((1024, 1024))
+    f = jax.jit(lambda x: [x := jnp.tanh(x @ x) for _ in range(8)][-1]).lower(x).compile()
+    jax.block_until_ready(f(x))
+    t = time.perf_counter()
+    jax.block_until_ready(f(x))
+    alone = time.perf_counter() - t  # the program's own time, measured by blocking on it
+    tl = timeline_lib.Timeline("a", 0)
+    tl.begin(0)
+    call = tl.program("f", f)
+    call(x)
+    tl.settle()  # what Links.wait does before waiting on a peer
+    parts = tl.end()
+    assert parts["dispatch"] + parts["compute"] >= 0.7 * alone
+    assert parts["wait_peer"] == parts["wait_bytes"] == 0
+
+
+def test_a_window_records_only_its_steps_and_writes_a_trace(tmp_path):
+    tl = timeline_lib.Timeline("cuda", 0, window=(1, 2))
+    f = tl.program("f", jax.jit(lambda x: x + 1))
+    for step in range(3):
+        tl.begin(step)
+        f(jnp.zeros(3), label=f"F{step}")
+        tl.settle()
+        tl.end()
+    path = tl.write(tmp_path)
+    events = json.loads(path.read_text())["traceEvents"]
+    steps = [e["name"] for e in events if e.get("cat") == "step"]
+    assert steps == ["step 1"]
+    names = {e["name"] for e in events if e.get("ph") == "X"}
+    assert "F1" in names and "F0" not in names and "F2" not in names
+
+
+def test_the_cores_are_shared_out_disjointly_in_proportion():
+    assert cpu_shares([2, 2], [0, 1]) == [(0,), (1,)]
+    assert cpu_shares([1, 3], [0, 1, 2, 3]) == [(0,), (1, 2, 3)]
+    assert cpu_shares([2, 2, 2], [0, 1]) is None  # fewer cores than processes: no pinning
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        devices = list(rng.integers(1, 5, size=rng.integers(1, 5)))
+        cores = sorted(rng.choice(64, size=rng.integers(len(devices), 17), replace=False).tolist())
+        shares = cpu_shares(devices, cores)
+        flat = [c for s in shares for c in s]
+        assert sorted(flat) == cores and all(shares)  # every core once, every process some
