@@ -167,7 +167,7 @@ class PipelineConfig:
 
 
 BACKENDS = ("local", "host", "direct")  # transfer backends (hetjax/transfer)
-CHECKSUMS = ("crc32", "adler32")
+CHECKSUMS = ("xxh3", "crc32", "adler32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +185,7 @@ class LinkConfig:
     secret_file: str = ""  # ...or from this file when set
     timeout_s: float = 60.0  # host: a peer silent this long; direct: a whole pull; TransferTimeout
     chunk_bytes: int = 8 << 20  # unit of checksums and of copy/transfer overlap
-    checksum: str = "crc32"  # crc32 | adler32 (per chunk)
+    checksum: str = "xxh3"  # xxh3 (64-bit, ~80 GiB/s here) | crc32 (~7) | adler32 (~4), per chunk
 
     def validate(self, prefix: str = "link") -> None:
         """Raises ConfigError naming the field, the value and the fix."""

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hetjax.config import ConfigError
+from hetjax.config import CHECKSUMS, ConfigError
 from hetjax.transfer import LinkConfig, TransferError, TransferTimeout, open_endpoint
 from hetjax.transfer.plan import Layout
 from tests.test_transfer_plan import cases
@@ -160,14 +160,15 @@ def _corrupting_proxy(upstream: str, flip_at: int) -> str:
     return f"127.0.0.1:{listener.getsockname()[1]}"
 
 
-def test_corrupted_chunk_is_detected():
-    a, b = endpoints("host", streams=1, chunk_bytes=4096, timeout_s=3.0)
+@pytest.mark.parametrize("checksum", CHECKSUMS)
+def test_corrupted_chunk_is_detected(checksum):
+    a, b = endpoints("host", streams=1, chunk_bytes=4096, timeout_s=3.0, checksum=checksum)
     sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P())
     x = random_array((64, 64), "float32", 1, sh)
     r = b.recv("t", jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), sh)
     # 64 handshake bytes, then a ~300-byte header, then the first 4 KiB payload.
     h = a.send(x, "t", sh, peers={0: (_corrupting_proxy(b.addresses[0], 64 + 1500),)})
-    with pytest.raises(TransferError, match="failed its crc32 check"):
+    with pytest.raises(TransferError, match=f"failed its {checksum} check"):
         r.wait()
     with pytest.raises(TransferError):
         h.wait()

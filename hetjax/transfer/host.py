@@ -31,6 +31,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import xxhash
 
 from hetjax.transfer import core, link
 from hetjax.transfer.api import Endpoint, check_leaf
@@ -42,10 +43,11 @@ log = logging.getLogger("hetjax.transfer")
 _FRAME = struct.Struct("<4sBI")  # magic, kind, length of the JSON header that follows
 _MAGIC = b"HJX1"
 _CHUNK, _END, _ACK = 1, 2, 3
-_CHECKSUM = {"crc32": zlib.crc32, "adler32": zlib.adler32}
+_CHECKSUM = {"xxh3": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32, "adler32": zlib.adler32}
 # How long close() waits for the END frames of messages that already arrived: they follow
 # their last chunk at once, so this is only reached when a sender died mid-message.
 CLOSE_GRACE_S = 5.0
+_SMALL = 64 << 10  # a chunk this small goes out with its header in one write
 _STREAM_BYTES = 1 << 20  # a message uses another stream for every MiB it holds, up to LinkConfig.streams
 _counted = threading.Lock()  # guards Handle.wire_bytes across stream threads
 
@@ -86,9 +88,13 @@ def _sendall(sock, data, peer: str) -> None:
         raise PeerLost(f"peer {peer}: connection lost ({e})") from None
 
 
-def _send_frame(sock, kind: int, meta: dict, peer: str) -> None:
+def _frame(kind: int, meta: dict) -> bytes:
     head = json.dumps(meta).encode()
-    _sendall(sock, _FRAME.pack(_MAGIC, kind, len(head)) + head, peer)
+    return _FRAME.pack(_MAGIC, kind, len(head)) + head
+
+
+def _send_frame(sock, kind: int, meta: dict, peer: str) -> None:
+    _sendall(sock, _frame(kind, meta), peer)
 
 
 def _read_frame(sock, peer: str, idle_ok: bool, timeout_s: float) -> tuple[int, dict]:
@@ -155,7 +161,7 @@ class _Inbox:
             for j, piece in enumerate(plan.pieces):
                 if piece.dst_process == endpoint.process:
                     shape = extent(piece.region)
-                    self.buffers[i, j] = core.aligned_empty(shape, aval.dtype)
+                    self.buffers[i, j] = endpoint.buffers.take(shape, aval.dtype)
                     self.left[i, j] = piece.nbytes
                     self.group_left[i, piece.group] = self.group_left.get((i, piece.group), 0) + 1
         self.groups_left = len(self.group_left)
@@ -173,14 +179,15 @@ class _Inbox:
             self.group_left[i, gi] -= 1
             if self.group_left[i, gi]:
                 return
-        # The block is complete: host -> device now, while other chunks still arrive.
+        # The block is complete. A large one goes host -> device now, while other chunks
+        # still arrive; small ones go together when the message is in (build: one call).
         t = time.perf_counter()
         group = plan.groups[gi]
         parts = [(p, self.buffers[i, k]) for k, p in enumerate(plan.pieces) if (i, k) in self.buffers and p.group == gi]
         block = core.block_from_host_pieces(group, parts, self.expect.avals[i].dtype)
-        device = self.expect.avals[i].sharding.mesh.devices.flat[group.receiver]
-        block = jax.device_put(block, device)
-        self.endpoint.copied(self.tag, t)
+        if block.nbytes > _SMALL:
+            block = jax.device_put(block, self.expect.avals[i].sharding.mesh.devices.flat[group.receiver])
+            self.endpoint.copied(self.tag, t)
         with self.lock:
             self.blocks[i][gi] = block
             self.groups_left -= 1
@@ -207,6 +214,7 @@ class HostEndpoint(Endpoint):
         self._secret = cfg.secret()
         self._checksum = _CHECKSUM[cfg.checksum]
         self._inboxes: dict[str, _Inbox] = {}
+        self.buffers = core.BufferPool()  # where received pieces land
         self._posted = threading.Condition()
         self._pipes: dict[tuple, list[_Stream]] = {}
         self._pipes_lock = threading.Lock()
@@ -249,14 +257,16 @@ class HostEndpoint(Endpoint):
                 raise TransferError(f"recv {tag!r}: a receive with this tag is already posted; tags must be unique in flight")
             self._inboxes[tag] = inbox
             self._posted.notify_all()
-        handle.future.add_done_callback(lambda _: self._drop(tag, inbox))
+        # By id, not the inbox itself: the handle's future keeps its callbacks, and an inbox
+        # it held would keep the received buffers from the pool until a garbage collection.
+        handle.future.add_done_callback(lambda _, key=id(inbox): self._drop(tag, key))
         if not inbox.left:
             inbox.finish()
         return handle
 
-    def _drop(self, tag, inbox):
+    def _drop(self, tag, key: int):
         with self._posted:
-            if self._inboxes.get(tag) is inbox:
+            if id(self._inboxes.get(tag)) == key:
                 del self._inboxes[tag]
 
     def _accept(self, listener):
@@ -381,7 +391,7 @@ class HostEndpoint(Endpoint):
                 handle.future.set_result(None)
 
         for stream, chunks in jobs:
-            stream.put(_Job(tag, leaves, plans, chunks, handle, finished))
+            stream.put(_Job(tag, leaves, plans, chunks, handle, finished, {}))
         return handle
 
     def _connect(self, address: str) -> socket.socket:
@@ -422,6 +432,7 @@ class _Job(typing.NamedTuple):
     chunks: list  # (leaf, piece index, piece, sub-region, byte offset in the piece)
     handle: core.Handle
     finished: typing.Callable  # finished(None) once acknowledged, finished(error) on failure
+    shards: dict  # (leaf, source position) -> the shard as a numpy array (CPU), made once
 
 
 class _Stream:
@@ -461,6 +472,7 @@ class _Stream:
     def _send(self, job: _Job) -> None:
         ep, sock, address, tag = self.endpoint, self.sock, self.address, job.tag
         copy = _host_chunk(job, 0, ep)  # the next chunk's copy to the host runs while this one is sent
+        pending = []  # small chunks wait here and go out together, in as few packets as they fit
         for k, (i, j, piece, sub, offset) in enumerate(job.chunks):
             data, copy = copy, (_host_chunk(job, k + 1, ep) if k + 1 < len(job.chunks) else None)
             x = job.leaves[i]
@@ -468,11 +480,17 @@ class _Stream:
             frame = {"tag": tag, "leaf": i, "piece": j, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
                      "region": [list(r) for r in piece.region], "offset": offset, "n": payload.nbytes,
                      "sum": ep._checksum(payload)}
-            _send_frame(sock, _CHUNK, frame, address)
-            _sendall(sock, payload, address)
+            if payload.nbytes <= _SMALL and sum(map(len, pending)) <= _SMALL:
+                pending += [_frame(_CHUNK, frame), payload.tobytes()]
+            else:
+                _sendall(sock, b"".join(pending) + _frame(_CHUNK, frame), address)
+                _sendall(sock, payload, address)
+                pending = []
             with _counted:
                 job.handle.wire_bytes += payload.nbytes
-        _send_frame(sock, _END, {"tag": tag}, address)
+        # With TCP_NODELAY every write is a packet and a wake-up of the receiver: the last
+        # small chunks and END go in one.
+        _sendall(sock, b"".join(pending) + _frame(_END, {"tag": tag}), address)
         try:
             kind, meta = _read_frame(sock, address, idle_ok=False, timeout_s=ep.cfg.timeout_s)
         except PeerLost:
@@ -482,19 +500,22 @@ class _Stream:
 
 
 def _host_chunk(job: _Job, k: int, endpoint: HostEndpoint):
-    """Chunk k of a job as host memory: a view on CPU (no copy when contiguous);
-    elsewhere a device-side slice whose copy to the host starts now (it is read later)."""
+    """Chunk k of a job as host memory: a view on CPU (no copy when contiguous; each
+    shard is made a numpy array once per job, not once per chunk); elsewhere a
+    device-side slice whose copy to the host starts now (it is read later)."""
     i, _, piece, sub, _ = job.chunks[k]
     x, plan = job.leaves[i], job.plans[i]
-    data = core.shard_on(x, piece.src)
     within = plan.src_regions[piece.src]
     index = core.local_slices(sub, within)
+    if (i, piece.src) in job.shards:
+        return job.shards[i, piece.src][index]
+    data = core.shard_on(x, piece.src)
     if next(iter(data.devices())).platform == "cpu":
         data.block_until_ready()  # the producing program's time is not a copy's
         t = time.perf_counter()
-        out = np.asarray(data)[index]
+        job.shards[i, piece.src] = host = np.asarray(data)
         endpoint.copied(job.tag, t)
-        return out
+        return host[index]
     part = core.as_bits(data)[index]
     part.copy_to_host_async()
     return part

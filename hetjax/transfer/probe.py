@@ -12,8 +12,8 @@ The peer (B, or this process when run alone) receives and prints the table; the
 server (A, or a child this process starts on the same machine with 4 virtual CPU
 devices) sends, with the parameters the peer sends it. Both talk over one control
 connection that proves the job's secret like every transfer stream does. `raw` is a
-plain TCP copy of the same bytes over the same number of streams: the ceiling for
-`host`. Bandwidth: a (MiB) float32 array sharded over the server's devices into the
+plain TCP copy of the same bytes over the same number of streams into a buffer that was
+allocated and written before the timing starts: the ceiling for `host`. Bandwidth: a (MiB) float32 array sharded over the server's devices into the
 same sharding on the peer's, timed from "go" to the last byte on the peer's devices.
 Latency: the same for a tiny array.
 """
@@ -154,16 +154,15 @@ def _send_backend(ctl: Control, msg: dict, params: dict, args) -> None:
 # -- the receiving side ----------------------------------------------------------------
 
 
-def _raw_receive(listener, streams, nbytes, conns, secret, timeout_s):
+def _raw_receive(listener, streams, buf, conns, secret, timeout_s):
+    """Receives len(buf) bytes into `buf` over `streams` authenticated connections."""
     import numpy as np
-    from hetjax.transfer.core import aligned_empty
     while len(conns) < streams:
         conn, addr = listener.accept()
         conn.settimeout(timeout_s)
         if not host.authenticate(conn, secret, link.address(*addr[:2])):
             raise TransferError(f"probe: raw stream from {link.address(*addr[:2])} did not prove the job's secret")
         conns.append(conn)
-    buf = aligned_empty((nbytes,), np.uint8)  # fresh memory each time, as a receiver's would be
     parts = np.array_split(buf, streams)
     threads = [threading.Thread(target=host._recv_into, args=(c, memoryview(p), f"raw stream {i} of the server"))
                for i, (c, p) in enumerate(zip(conns, parts))]
@@ -189,12 +188,18 @@ def measure(ctl: Control, backend: str, args, n_src: int) -> dict:
         ctl.send(backend=backend, addresses=[link.address(args.bind, listener.getsockname()[1])])
         ctl.recv()
         conns = []
+        # The ceiling, as a plain socket program gets it: one buffer per size, written once
+        # before timing starts (no page faults), reused.
+        import numpy as np
+        from hetjax.transfer.core import aligned_empty
+        bufs = {k: aligned_empty((n,), np.uint8) for k, n in nbytes.items()}
+        for buf in bufs.values():
+            buf.fill(0)
         try:
             for k in order:
                 start = time.perf_counter()
                 ctl.send(go=k)
-                buf = _raw_receive(listener, args.streams, nbytes[k], conns, secret, args.timeout)
-                jax.device_put(buf, devices[0]).block_until_ready()  # the same landing as `host` gets
+                _raw_receive(listener, args.streams, bufs[k], conns, secret, args.timeout)
                 times[k].append(time.perf_counter() - start)
                 ctl.recv()
             ctl.send(done=True)
@@ -214,6 +219,7 @@ def measure(ctl: Control, backend: str, args, n_src: int) -> dict:
                 ctl.send(go=k, tag=f"{k}{i}")
                 h.wait().block_until_ready()
                 times[k].append(time.perf_counter() - start)
+                h = None  # the received array goes, as a training step's would
                 ctl.recv()  # the sender had its acknowledgements
             ctl.send(done=True)
         finally:
