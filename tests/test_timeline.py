@@ -107,3 +107,19 @@ def test_the_cores_are_shared_out_disjointly_in_proportion():
         shares = cpu_shares(devices, cores)
         flat = [c for s in shares for c in s]
         assert sorted(flat) == cores and all(shares)  # every core once, every process some
+
+
+def test_a_one_mesh_job_writes_a_jax_profiler_trace_of_its_window(tmp_path):
+    from hetjax import train
+    code = train.main(["--config", "configs/tiny.py", f"--config.run_dir={tmp_path}", "--config.steps=4",
+                       "--config.eval_every=0", "--config.tensorboard=False", "--config.profile_steps=1:3",
+                       "--config.checkpoint.every=0"])
+    assert code == 0
+    assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+
+
+@pytest.mark.parametrize("text", ["3", "5:5", "a:b", "-1:2", "4:2"])
+def test_a_bad_profile_window_is_refused_naming_the_field(text):
+    from hetjax.config import ConfigError, Config, validate
+    with pytest.raises(ConfigError, match=r"config\.profile_steps=.*A:B"):
+        validate(Config(profile_steps=text))
