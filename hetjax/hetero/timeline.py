@@ -144,17 +144,14 @@ class Timeline:
         if out is None:
             return
         t = time.perf_counter()
-        try:
-            jax.block_until_ready(out)
-        except RuntimeError:  # an output already donated to a later program: that one is done
-            pass
+        _ready(out)
         self.add("compute", "own device", t, time.perf_counter())
 
     def _watcher(self, work: queue.Queue) -> None:
         done = time.perf_counter()
         while (item := work.get()) is not None:
             name, dispatched, out = item
-            jax.block_until_ready(out)
+            _ready(out)
             start, done = max(dispatched, done), time.perf_counter()
             with self._lock:
                 if self.recording:
@@ -215,6 +212,14 @@ class Timeline:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
         return path
+
+
+def _ready(out) -> None:
+    """Waits for a program's outputs; one already donated to a later program is done."""
+    try:
+        jax.block_until_ready(out)
+    except RuntimeError:
+        pass
 
 
 # ---------------------------------------------------------------------------

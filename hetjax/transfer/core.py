@@ -4,6 +4,7 @@ and building the destination array from received blocks (with the fan-out)."""
 from __future__ import annotations
 
 import dataclasses
+import queue
 import sys
 import threading
 import time
@@ -103,8 +104,13 @@ def finished(result=None) -> futures.Future:
     return future
 
 
+_idle: queue.SimpleQueue = queue.SimpleQueue()  # inboxes of daemon threads waiting for work
+
+
 def run_async(fn, *args) -> futures.Future:
-    """Runs fn in a daemon thread (never blocks interpreter exit on a dead peer)."""
+    """Runs fn in a daemon thread (never blocks interpreter exit on a dead peer): an idle
+    one of an earlier call, or a new one; starting a thread per message cost more than
+    a small message's whole transfer."""
     future: futures.Future = futures.Future()
 
     def body():
@@ -113,8 +119,19 @@ def run_async(fn, *args) -> futures.Future:
         except BaseException as e:  # noqa: BLE001 - handed to the waiter
             future.set_exception(e)
 
-    threading.Thread(target=body, daemon=True).start()
+    try:
+        inbox = _idle.get_nowait()
+    except queue.Empty:
+        inbox = queue.SimpleQueue()
+        threading.Thread(target=_worker, args=(inbox,), daemon=True, name="hetjax-async").start()
+    inbox.put(body)
     return future
+
+
+def _worker(inbox: queue.SimpleQueue) -> None:
+    while True:
+        inbox.get()()
+        _idle.put(inbox)  # one that never returns (a pull from a dead peer) is never reused
 
 
 class Activity:

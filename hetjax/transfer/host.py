@@ -445,13 +445,20 @@ class _Stream:
         self.endpoint, self.address = endpoint, address
         self.sock: socket.socket | None = None
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed, self.lock = False, threading.Lock()
         threading.Thread(target=self._run, daemon=True, name=f"hetjax-send-{address}").start()
 
     def put(self, job: _Job) -> None:
-        self.jobs.put(job)
+        with self.lock:  # never behind close()'s None, where no thread would take it
+            if not self.closed:
+                self.jobs.put(job)
+                return
+        job.finished(TransferError(f"send {job.tag!r}: the endpoint is closed"))
 
     def close(self) -> None:
-        self.jobs.put(None)
+        with self.lock:
+            self.closed = True
+            self.jobs.put(None)
         if self.sock is not None:
             self.sock.close()
 
