@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -113,3 +115,49 @@ def truncate(run_dir: Path, start: int, name: str = "metrics.jsonl") -> None:
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(keep))
         tmp.replace(path)
+
+
+class StepClock:
+    """Each step's time, from the end of the one before (or of a pause: eval, the
+    profiler starting) to its own end on the device. A thread waits on every step's
+    metrics and notes when they are ready, so the time is right whether the platform
+    dispatches asynchronously (the host runs ahead) or not (on CPU a program with
+    collectives runs inside its call)."""
+
+    def __init__(self):
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: dict[int, float] = {}
+        self._resume: dict[int, float] = {}
+        self._ready = threading.Condition()
+        self._last = time.perf_counter()
+        threading.Thread(target=self._watch, daemon=True, name="hetjax-step-clock").start()
+
+    def dispatched(self, step: int, outputs) -> None:
+        self._work.put((step, outputs))
+
+    def resume(self, step: int) -> None:
+        """Step `step` starts counting now at the earliest (after a pause)."""
+        self._resume[step] = time.perf_counter()
+
+    def seconds(self, step: int) -> float:
+        """Step `step`'s time; steps are asked for in order."""
+        with self._ready:
+            self._ready.wait_for(lambda: step in self._done)
+            done = self._done.pop(step)
+        start = max(self._last, self._resume.pop(step, self._last))
+        self._last = done
+        return done - start
+
+    def close(self) -> None:
+        self._work.put(None)
+
+    def _watch(self) -> None:
+        while (item := self._work.get()) is not None:
+            step, outputs = item
+            try:
+                jax.block_until_ready(outputs)
+            except Exception:  # noqa: BLE001 - the step's own error reaches the loop when it reads them
+                pass
+            with self._ready:
+                self._done[step] = time.perf_counter()
+                self._ready.notify_all()

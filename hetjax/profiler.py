@@ -9,25 +9,38 @@ from pathlib import Path
 import jax
 
 
+def parse_window(text: str) -> tuple[int, int] | None:
+    """config.profile_steps "A:B" -> (A, B), steps A..B-1; "" -> None (config validates it)."""
+    if not text:
+        return None
+    a, _, b = text.partition(":")
+    return int(a), int(b)
+
+
 class Profiler:
     """Starts jax.profiler before step A and stops it after step B-1 (or at close)."""
 
     def __init__(self, window: str, directory: Path, log=print):
-        a, _, b = window.partition(":")
-        self.window = (int(a), int(b)) if window else None
+        self.window = parse_window(window)
         self.directory, self.log, self.active = Path(directory), log, False
 
-    def before(self, step: int) -> None:
+    def before(self, step: int) -> bool:
+        """Before step `step` is dispatched; True when the trace started now."""
         if self.window and step == self.window[0]:
             self.directory.mkdir(parents=True, exist_ok=True)
             jax.profiler.start_trace(str(self.directory))
             self.active = True
+            return True
+        return False
 
-    def after(self, step: int, result=None) -> None:
-        """After step `step` was dispatched; `result` is waited for before the trace stops."""
+    def after(self, step: int, result=None) -> bool:
+        """After step `step` was dispatched; `result` is waited for before the trace stops.
+        True when it stopped now."""
         if self.active and step == self.window[1] - 1:
             jax.block_until_ready(result)
             self.close()
+            return True
+        return False
 
     def close(self) -> None:
         if self.active:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import time
 
 import jax
 import numpy as np
@@ -74,11 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     writer = metrics.Writer(run_dir, cfg.steps, cfg.tensorboard)
     recorder = repro.Recorder(run_dir, cfg, job.mesh, None, start, write=job.writes_fingerprints)
     profiler = Profiler(cfg.profile_steps, run_dir / "profile", log)
-    last_finite, clock = -1, time.perf_counter()
+    last_finite, clock = -1, metrics.StepClock()
 
-    def report(s, step_metrics, step_time):
+    def report(s, step_metrics):
         nonlocal last_finite
         values = jax.device_get(step_metrics)
+        step_time = clock.seconds(s)
         if not np.isfinite(values["loss"]):
             raise TrainingDiverged(
                 f"loss is {values['loss']} at step {s}; the last finite loss was at step "
@@ -93,11 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         recorder.step(s, values, job.batch_digest(s))  # fingerprints.jsonl (hetjax/repro)
 
     def evaluate(s):
-        nonlocal clock
         sums = jax.device_get([job.eval_sums(state, i) for i in range(cfg.eval_batches)])
         loss = sum(x["loss_sum"] for x in sums) / max(sum(x["tokens"] for x in sums), 1.0)
         writer.write(s, {"eval_loss": loss}, echo=True)
-        clock = time.perf_counter()  # eval time is not step time
+        clock.resume(s + 1)  # eval time is not step time
 
     def flush():
         # Report the step whose metrics are still on the device.
@@ -118,21 +117,18 @@ def main(argv: list[str] | None = None) -> int:
         for s in range(start, cfg.steps):
             batch = next(batches)
             job.digest_batch(s, batch)
-            profiler.before(s)
+            if profiler.before(s):
+                clock.resume(s)  # starting the trace is not step time
             state, step_metrics = job.train_step(state, batch)
-            profiler.after(s, step_metrics)
-            # A step's time: from the previous step's dispatch to this one's, the loop's own
-            # work included, for every kind of job alike. With asynchronous dispatch the host
-            # runs at most a step ahead (flush below waits for the previous step's metrics),
-            # so over the steps this is the device's rate.
-            now = time.perf_counter()
-            step_time, clock = now - clock, now
+            clock.dispatched(s, step_metrics)  # the same clock for every kind of job
+            if profiler.after(s, step_metrics):
+                clock.resume(s + 1)
             if recorder.due(s + 1):
                 recorder.write_params(s + 1, job.param_fingerprint(state))
             # Read the previous step's metrics only now, so the device is never idle
             # waiting for the host.
             flush()
-            previous = (s, step_metrics, step_time)
+            previous = (s, step_metrics)
             if cfg.eval_every and (s + 1) % cfg.eval_every == 0:
                 flush()
                 evaluate(s)
@@ -151,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             save(cfg.steps)
     finally:
         profiler.close()
+        clock.close()
         batches.close()
         signal.signal(signal.SIGTERM, previous_handler)
         writer.close()

@@ -123,3 +123,38 @@ def test_a_bad_profile_window_is_refused_naming_the_field(text):
     from hetjax.config import ConfigError, Config, validate
     with pytest.raises(ConfigError, match=r"config\.profile_steps=.*A:B"):
         validate(Config(profile_steps=text))
+
+
+def test_every_logged_step_of_a_run_that_evals_has_a_real_step_time(tmp_path):
+    # The step clock waits on each step's results: no step before an eval, at the start or
+    # at the end is a few microseconds of dispatch (which read as an MFU above 1).
+    from hetjax import train
+    code = train.main(["--config", "configs/tiny.py", f"--config.run_dir={tmp_path}", "--config.steps=12",
+                       "--config.eval_every=4", "--config.tensorboard=False", "--config.checkpoint.every=0"])
+    assert code == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time"] for r in rows if "step_time" in r]
+    assert len(times) == 12
+    typical = float(np.median(times))
+    assert min(times) > 0.3 * typical, times
+    assert max(r["mfu"] for r in rows if "mfu" in r) < 1
+
+
+def test_the_receive_pool_never_hands_out_memory_still_in_use():
+    from hetjax.transfer.core import BufferPool
+    pool = BufferPool()
+    a = pool.take((64, 64), np.float32)
+    view = a[3:5]  # any view keeps the memory in use
+    del a
+    b = pool.take((64, 64), np.float32)
+    assert not np.shares_memory(b, view)
+    adopted = jax.device_put(b, jax.devices()[0])  # jax on CPU adopts it without a copy
+    del b, view  # the first buffer is free again; the second is the jax array's
+    c = pool.take((64, 64), np.float32)
+    assert not np.shares_memory(c, np.asarray(adopted))
+    del c, adopted
+    import gc
+    gc.collect()
+    d = pool.take((64, 64), np.float32)
+    assert sum(len(v) for v in pool._held.values()) == 2  # c and d reused free ones: no third buffer
+    del d

@@ -32,6 +32,7 @@ from hetjax import state as state_lib
 from hetjax.config import MESH_AXES, ConfigError, IslandConfig
 from hetjax.hetero import placement
 from hetjax.hetero import timeline as timeline_lib
+from hetjax.profiler import parse_window
 from hetjax.mesh import resolve_shape
 from hetjax.pipeline.stages import BLOCKS, to_stages
 from hetjax.transfer.plan import Layout
@@ -293,7 +294,7 @@ def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island
                         step.batch_shardings(mesh, rules), rows=rows, plan=plan)
     island.abstract = abstract
     island.timeline = timeline_lib.Timeline(spec.name, k, 0 if cfg.hetero.virtual else jax.process_index(),
-                                            timeline_lib.parse_window(cfg.profile_steps))
+                                            parse_window(cfg.profile_steps))
     shardings = state_lib.state_shardings(abstract, mesh, island.rules)
     if layers is not None:  # placeholders (and their Adam moments) are replicated scalars
         shardings = jax.tree.map(lambda x, s: island.replicated() if _placeholder(x) else s,

@@ -172,6 +172,7 @@ class Worker:
     def train_step(self, state, batch, step: int, stop: bool):
         self.timeline.begin(step)
         state, metrics, stops = self.stage.train_step(state, batch, f"train{step}", stop)
+        self.timeline.settle()  # the update's own time is the step's compute, not the loop's
         self.seconds = self.timeline.end()
         return state, metrics, stops
 

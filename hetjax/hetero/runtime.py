@@ -157,7 +157,9 @@ def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float
     cpus = os.environ.get(CPUS_VARIABLE, "")
     if cpus:  # before jax starts: XLA sizes its thread pools by the cores it may use
         try:
-            os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+            keep = {int(c) for c in cpus.split(",")}
+            for thread in os.listdir("/proc/self/task"):  # every thread so far; new ones inherit it
+                os.sched_setaffinity(int(thread), keep)
         except (ValueError, OSError) as e:
             raise ConfigError(f"{CPUS_VARIABLE}={cpus!r}: expected cores of this machine, e.g. 0,1 ({e})") from None
     if settings.num_processes == 1:

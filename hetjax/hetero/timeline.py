@@ -31,7 +31,6 @@ steps as RUN_DIR/timeline.png.
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import queue
 import sys
@@ -46,14 +45,6 @@ WAITS = PARTS[2:]  # time on the links (the step's transfer_time)
 COLORS = {"compute": "#4c72b0", "dispatch": "#dd8452", "wait_peer": "#c44e52", "wait_bytes": "#8172b3",
           "wait_sends": "#937860", "host_copy": "#55a868", "message": "#bbbbbb", "step": "#eeeeee"}
 TRACKS = ("host", "device", "copies", "messages")
-
-
-def parse_window(text: str) -> tuple[int, int] | None:
-    """config.profile_steps "A:B" -> (A, B), steps A..B-1; "" -> None. Validated by config."""
-    if not text:
-        return None
-    a, _, b = text.partition(":")
-    return int(a), int(b)
 
 
 class Timeline:
@@ -83,16 +74,6 @@ class Timeline:
             if self.recording:
                 self.events.append({"name": name, "cat": part, "ph": "X", "ts": self._us(start),
                                     "dur": (end - start) * 1e6, "pid": self.index, "tid": TRACKS.index(track)})
-
-    @contextlib.contextmanager
-    def span(self, part: str, name: str):
-        """Times the body as `part` on the host thread (a TraceAnnotation while recording)."""
-        t = time.perf_counter()
-        with jax.profiler.TraceAnnotation(name) if self.recording else contextlib.nullcontext():
-            try:
-                yield
-            finally:
-                self.add(part, name, t, time.perf_counter())
 
     def waited(self, handle, start: float, sent: bool) -> None:
         """Counts a wait on `handle` from `start` until now: wait_sends for a send; for a
@@ -153,11 +134,10 @@ class Timeline:
             name, dispatched, out = item
             _ready(out)
             start, done = max(dispatched, done), time.perf_counter()
-            with self._lock:
-                if self.recording:
-                    self.events.append({"name": name, "cat": "compute", "ph": "X", "ts": self._us(start),
-                                        "dur": (done - start) * 1e6, "pid": self.index,
-                                        "tid": TRACKS.index("device")})
+            with self._lock:  # queued while recording: kept even if it ends after the window
+                self.events.append({"name": name, "cat": "compute", "ph": "X", "ts": self._us(start),
+                                    "dur": (done - start) * 1e6, "pid": self.index,
+                                    "tid": TRACKS.index("device")})
 
     # -- steps ---------------------------------------------------------------------
 
@@ -218,8 +198,9 @@ def _ready(out) -> None:
     """Waits for a program's outputs; one already donated to a later program is done."""
     try:
         jax.block_until_ready(out)
-    except RuntimeError:
-        pass
+    except RuntimeError as e:
+        if "deleted" not in str(e):  # a donated array; any other error is the program's
+            raise
 
 
 # ---------------------------------------------------------------------------

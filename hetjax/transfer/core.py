@@ -218,17 +218,19 @@ class BufferPool:
         nbytes = int(np.prod(shape)) * dtype.itemsize
         with self._lock:
             held = self._held.setdefault(nbytes, [])
-            for buf in held:
-                # The allocation's references: buf.base, `owner` here, getrefcount's
-                # argument. Any more is a view some array still uses.
+            for buf, unused in held:
+                # Counted as when the buffer was new (buf.base, `owner`, the argument): any
+                # more is a view that some array still uses.
                 owner = buf.base
-                if sys.getrefcount(owner) == 3:
+                if sys.getrefcount(owner) == unused:
                     break
             else:
                 buf = aligned_empty((nbytes,), np.uint8)
+                owner = buf.base
                 if len(held) < self.PER_SIZE:
-                    held.append(buf)
-        return buf.view(dtype).reshape(shape)
+                    held.append((buf, sys.getrefcount(owner)))
+            del owner
+            return buf.view(dtype).reshape(shape)
 
 
 def block_from_device_pieces(group, pieces: list[tuple[object, jax.Array]], dtype) -> jax.Array:

@@ -204,8 +204,9 @@ class _Inbox:
             self.fail(e)
 
     def fail(self, error: Exception) -> None:
-        if not self.future.done():
-            self.future.set_exception(error)
+        with self.lock:  # two streams may fail one receive at once
+            if not self.future.done():
+                self.future.set_exception(error)
 
 
 class HostEndpoint(Endpoint):
@@ -381,14 +382,15 @@ class HostEndpoint(Endpoint):
         left = [len(jobs)]
         lock = threading.Lock()
 
-        def finished(error):
+        def finished(error):  # from the streams' threads: the first error, or the last success, counts
             with lock:
                 left[0] -= 1
-                last = left[0] == 0
-            if error is not None and not handle.future.done():
-                handle.future.set_exception(error)
-            elif last and not handle.future.done():
-                handle.future.set_result(None)
+                if handle.future.done():
+                    return
+                if error is not None:
+                    handle.future.set_exception(error)
+                elif left[0] == 0:
+                    handle.future.set_result(None)
 
         for stream, chunks in jobs:
             stream.put(_Job(tag, leaves, plans, chunks, handle, finished, {}))
@@ -465,6 +467,8 @@ class _Stream:
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
             try:
+                if self.closed:
+                    raise TransferError(f"send {job.tag!r}: the endpoint is closed")
                 if self.sock is None:
                     self.sock = self.endpoint._connect(self.address)
                 self._send(job)
