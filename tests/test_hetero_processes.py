@@ -69,8 +69,13 @@ def test_a_killed_process_stops_every_island_and_no_later_checkpoint_counts(tmp_
     run_dir = tmp_path / "run"
     killed = {}
 
-    def on_line(proc, line):  # kill rocm's process once it has reported step 3
-        if proc.settings.tag == "rocm:0" and line.startswith("step 3:") and not killed:
+    def saved(island):  # orbax renames a step's directory to its number once it is complete
+        directory = run_dir / "checkpoints" / island
+        return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+
+    def on_line(proc, line):  # kill rocm's process at a step report, once it holds a checkpoint
+        if (proc.settings.tag == "rocm:0" and line.startswith("step ") and int(line.split()[1].rstrip(":")) >= 3
+                and not killed and saved("rocm")):
             killed["at"] = time.monotonic()
             os.kill(proc.popen.pid, signal.SIGKILL)
 
