@@ -144,8 +144,8 @@ def wait_for_port(address: str, timeout_s: float, what: str) -> None:
 def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float) -> None:
     """Joins this process to its island's jax.distributed world (call before jax.devices()).
 
-    An island of one process joins no world (see below). On CPU, cross-process collectives
-    inside the island go over gloo. A coordinator that does not answer within timeout_s
+    On CPU, cross-process collectives inside the island go over gloo (only those: an
+    island of one process keeps its collectives in the process). A coordinator that does not answer within timeout_s
     raises IslandStartError naming the island; after the start, a member that dies makes
     the others fail within about timeout_s (heartbeats).
     """
@@ -162,15 +162,11 @@ def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float
                 os.sched_setaffinity(int(thread), keep)
         except (ValueError, OSError) as e:
             raise ConfigError(f"{CPUS_VARIABLE}={cpus!r}: expected cores of this machine, e.g. 0,1 ({e})") from None
-    if settings.num_processes == 1:
-        # A world of one process needs no coordinator, and jax.distributed would cost it
-        # dearly on CPU: gloo would carry even the collectives between the process's own
-        # devices over TCP (steps about 6x slower on the tiny islands), and without gloo its
-        # launch ids, which must agree across processes, are not unique within one, so two
-        # programs in flight can meet in one rendezvous and abort the process.
-        return _check_devices(settings, island)
     if settings.platform(island) == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # gloo only where collectives cross processes (jax's default once jax.distributed
+        # starts): in a world of one process it would carry even the collectives between
+        # the process's own devices over TCP (steps about 6x slower on the tiny islands).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo" if settings.num_processes > 1 else None)
     if settings.process_id:
         # jax aborts the process (no exception) when its coordinator never answers; wait
         # for the coordinator's port here so that this case is an error naming the island.
