@@ -175,6 +175,8 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
     on_line(process, line): called with each output line of each Process (a watchdog's hook).
     """
     out = sys.stdout if out is None else out
+    if pin not in ("auto", "off"):
+        raise ConfigError(f"--pin={pin!r}: choose auto (a share of the cores per CPU process) or off")
     cfg, overrides = job_config(config, overrides, backend)
     timeout_s = cfg.hetero.timeout_s if timeout_s is None else timeout_s
     islands = {i.name: i for i in cfg.hetero.islands}
@@ -200,11 +202,11 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
             handlers[sig] = signal.signal(sig, lambda s, _: stop.append(s))
     try:
         placements = plan(cfg, stand_in)
-        cpus = [scheduler.settings(p, cfg).platform(islands[p.island]) == "cpu" for p in placements]
-        shares = iter(cpu_shares([islands[p.island].devices_per_process for p, c in zip(placements, cpus) if c],
+        derived = [scheduler.settings(p, cfg) for p in placements]  # as each process will derive them
+        cpus = [s.platform(islands[s.island]) == "cpu" for s in derived]
+        shares = iter(cpu_shares([islands[s.island].devices_per_process for s, c in zip(derived, cpus) if c],
                                  sorted(os.sched_getaffinity(0))) or () if pin == "auto" else ())
-        for placement, cpu in zip(placements, cpus):
-            s = scheduler.settings(placement, cfg)  # as the process itself will derive them
+        for placement, s, cpu in zip(placements, derived, cpus):
             island = islands[s.island]
             first = next_device.get(s.platform(island), 0)
             next_device[s.platform(island)] = first + island.devices_per_process
@@ -303,8 +305,6 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--stand_in={options['stand_in']!r}: choose one of {config_lib.PLATFORMS}")
     if options["backend"] not in (None, "host", "direct"):
         raise ConfigError(f"--backend={options['backend']!r}: choose host or direct")
-    if options["pin"] not in ("auto", "off"):
-        raise ConfigError(f"--pin={options['pin']!r}: choose auto (a share of the cores per CPU process) or off")
     if options["module"] not in MODULES:
         raise ConfigError(f"--module={options['module']!r}: choose one of {MODULES}")
     command = [sys.executable, "-m", options.pop("module")]

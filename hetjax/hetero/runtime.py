@@ -145,9 +145,9 @@ def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float
     """Joins this process to its island's jax.distributed world (call before jax.devices()).
 
     On CPU, cross-process collectives inside the island go over gloo (only those: an
-    island of one process keeps its collectives in the process). A coordinator that does not answer within timeout_s
-    raises IslandStartError naming the island; after the start, a member that dies makes
-    the others fail within about timeout_s (heartbeats).
+    island of one process keeps its collectives in the process). A coordinator that does
+    not answer within timeout_s raises IslandStartError naming the island; after the
+    start, a member that dies makes the others fail within about timeout_s (heartbeats).
     """
     import jax
     from hetjax.compile import backend
@@ -180,11 +180,6 @@ def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float
             f"island {settings.tag} could not join its jax.distributed world at "
             f"{settings.coordinator} within {timeout_s:g}s (config.hetero.timeout_s): "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-    _check_devices(settings, island)
-
-
-def _check_devices(settings: ProcessSettings, island: IslandConfig) -> None:
-    import jax
     found = len(jax.local_devices())
     if found != island.devices_per_process:
         raise ConfigError(
