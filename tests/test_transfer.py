@@ -160,14 +160,16 @@ def _corrupting_proxy(upstream: str, flip_at: int) -> str:
     return f"127.0.0.1:{listener.getsockname()[1]}"
 
 
+@pytest.mark.parametrize("rows", [64, 512], ids=["one-batch-frame", "streamed-chunks"])
 @pytest.mark.parametrize("checksum", CHECKSUMS)
-def test_corrupted_chunk_is_detected(checksum):
+def test_corrupted_chunk_is_detected(checksum, rows):
     a, b = endpoints("host", streams=1, chunk_bytes=4096, timeout_s=3.0, checksum=checksum)
     sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P())
-    x = random_array((64, 64), "float32", 1, sh)
+    x = random_array((rows, 64), "float32", 1, sh)  # 16 KiB goes as one frame, 128 KiB chunk by chunk
     r = b.recv("t", jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), sh)
-    # 64 handshake bytes, then a ~300-byte header, then the first 4 KiB payload.
-    h = a.send(x, "t", sh, peers={0: (_corrupting_proxy(b.addresses[0], 64 + 1500),)})
+    # 64 handshake bytes, then the header(s) (~300 bytes a chunk), then payload: byte
+    # 4000 lies in the first chunk's payload of either frame kind.
+    h = a.send(x, "t", sh, peers={0: (_corrupting_proxy(b.addresses[0], 64 + 4000),)})
     with pytest.raises(TransferError, match=f"failed its {checksum} check"):
         r.wait()
     with pytest.raises(TransferError):

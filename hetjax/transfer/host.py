@@ -4,12 +4,15 @@ Each process listens on its NIC addresses (loopback by default). A sender opens
 `streams` connections to each destination process it feeds (stream i to the peer's
 address i % len), proves the job's shared secret by HMAC challenge-response (both
 ways), then pushes chunks: a small JSON header (tag, leaf, piece, shape, dtype,
-region, offset, length, checksum) and the payload. The receiver checks the header
+region, offset, length, checksum) and the payload; a message of at most 64 KiB goes as
+one frame, the headers of all its chunks and then their payloads. The receiver checks the header
 against its own plan before reading the payload into place, verifies the checksum,
 and moves a block to the device as soon as its pieces are in, while other chunks
 are still on the wire. Each stream has one sending thread for the life of the
 endpoint, which starts copying its next chunk off the device while it sends the
-current one; a message smaller than a MiB takes one stream (its chunks, END, ACK).
+current one; a message smaller than a MiB takes one stream (its chunks, END, ACK). A
+small message whose arrays are ready goes out on the caller's thread when its stream is
+idle, which saves a thread hop (its ACK is still read by the stream's thread).
 """
 
 from __future__ import annotations
@@ -36,18 +39,18 @@ import xxhash
 from hetjax.transfer import core, link
 from hetjax.transfer.api import Endpoint, check_leaf
 from hetjax.transfer.link import TransferError, TransferTimeout
-from hetjax.transfer.plan import extent, split
+from hetjax.transfer.plan import extent, split, volume
 
 log = logging.getLogger("hetjax.transfer")
 
 _FRAME = struct.Struct("<4sBI")  # magic, kind, length of the JSON header that follows
 _MAGIC = b"HJX1"
-_CHUNK, _END, _ACK = 1, 2, 3
+_CHUNK, _END, _ACK, _BATCH = 1, 2, 3, 4  # _BATCH: a whole small message; an END is implied
 _CHECKSUM = {"xxh3": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32, "adler32": zlib.adler32}
 # How long close() waits for the END frames of messages that already arrived: they follow
 # their last chunk at once, so this is only reached when a sender died mid-message.
 CLOSE_GRACE_S = 5.0
-_SMALL = 64 << 10  # a chunk this small goes out with its header in one write
+_SMALL = 64 << 10  # a chunk (or a whole message) this small goes out with its header(s) in one write
 _STREAM_BYTES = 1 << 20  # a message uses another stream for every MiB it holds, up to LinkConfig.streams
 _counted = threading.Lock()  # guards Handle.wire_bytes across stream threads
 
@@ -299,7 +302,13 @@ class HostEndpoint(Endpoint):
                     continue
                 busy = busy or self._settle(+1)
                 inbox = self._inbox(meta.get("tag"), peer)
-                self._chunk(conn, peer, inbox, meta)
+                if kind == _BATCH:  # the chunks' headers, then their payloads in that order
+                    for chunk in meta["chunks"]:
+                        self._chunk(conn, peer, inbox, chunk)
+                    _send_frame(conn, _ACK, {"tag": meta.get("tag")}, peer)
+                    busy = busy and self._settle(-1)
+                else:
+                    self._chunk(conn, peer, inbox, meta)
                 inbox = None
         except Exception as e:  # noqa: BLE001 - reported to the receive it broke, and logged
             if inbox is not None:
@@ -332,6 +341,8 @@ class HostEndpoint(Endpoint):
 
     def _chunk(self, conn, peer, inbox: _Inbox, meta: dict) -> None:
         tag, i, j = inbox.tag, meta["leaf"], meta["piece"]
+        if not isinstance(i, int) or not isinstance(j, int):
+            raise TransferError(f"recv {tag!r}: peer {peer} sent a chunk header without leaf and piece numbers")
         avals, plans = inbox.expect.avals, inbox.expect.plans
         if not 0 <= i < len(avals):
             raise TransferError(f"recv {tag!r}: peer {peer} sent leaf {i}, but the receiver expects {len(avals)} leaves")
@@ -393,7 +404,8 @@ class HostEndpoint(Endpoint):
                     handle.future.set_result(None)
 
         for stream, chunks in jobs:
-            stream.put(_Job(tag, leaves, plans, chunks, handle, finished, {}))
+            small = sum(volume(sub) * np.dtype(leaves[i].dtype).itemsize for i, _, _, sub, _ in chunks) <= _SMALL
+            stream.put(_Job(tag, leaves, plans, chunks, handle, finished, {}, small))
         return handle
 
     def _connect(self, address: str) -> socket.socket:
@@ -435,6 +447,7 @@ class _Job(typing.NamedTuple):
     handle: core.Handle
     finished: typing.Callable  # finished(None) once acknowledged, finished(error) on failure
     shards: dict  # (leaf, source position) -> the shard as a numpy array (CPU), made once
+    small: bool  # at most _SMALL bytes: one _BATCH frame
 
 
 class _Stream:
@@ -446,16 +459,31 @@ class _Stream:
     def __init__(self, endpoint: HostEndpoint, address: str):
         self.endpoint, self.address = endpoint, address
         self.sock: socket.socket | None = None
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # (job, already written)
         self.closed, self.lock = False, threading.Lock()
+        self.queued = 0  # jobs put and not yet finished by the thread; 0: it leaves the socket alone
         threading.Thread(target=self._run, daemon=True, name=f"hetjax-send-{address}").start()
 
     def put(self, job: _Job) -> None:
         with self.lock:  # never behind close()'s None, where no thread would take it
-            if not self.closed:
-                self.jobs.put(job)
-                return
-        job.finished(TransferError(f"send {job.tag!r}: the endpoint is closed"))
+            if self.closed:
+                error = TransferError(f"send {job.tag!r}: the endpoint is closed")
+            else:
+                self.queued += 1
+                # Idle, connected, and a small message that is ready: written here (the
+                # lock keeps later puts behind it), acknowledged on the thread.
+                written = (self.queued == 1 and self.sock is not None and job.small
+                           and all(job.leaves[i].is_ready() for i in {c[0] for c in job.chunks}))
+                try:
+                    if written:
+                        self._write(job)
+                except BaseException as e:  # noqa: BLE001 - handed to the message's handle
+                    self.sock.close()
+                    self.sock, self.queued, error = None, self.queued - 1, e
+                else:
+                    self.jobs.put((job, written))
+                    return
+        job.finished(error)
 
     def close(self) -> None:
         with self.lock:
@@ -465,32 +493,45 @@ class _Stream:
             self.sock.close()
 
     def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while (item := self.jobs.get()) is not None:
+            job, written = item
+            error = None
             try:
                 if self.closed:
                     raise TransferError(f"send {job.tag!r}: the endpoint is closed")
-                if self.sock is None:
-                    self.sock = self.endpoint._connect(self.address)
-                self._send(job)
+                if not written:
+                    if self.sock is None:
+                        self.sock = self.endpoint._connect(self.address)
+                    self._write(job)
+                self._acknowledged(job)
             except BaseException as e:  # noqa: BLE001 - handed to the message's handle
                 if self.sock is not None:
                     self.sock.close()
                     self.sock = None  # reconnect for the next job
-                job.finished(e)
-            else:
-                job.finished(None)
+                error = e
+            with self.lock:
+                self.queued -= 1
+            job.finished(error)
 
-    def _send(self, job: _Job) -> None:
+    def _write(self, job: _Job) -> None:
+        """Puts the job's chunks and its END on the wire (one _BATCH frame when small)."""
+        if job.small:
+            payloads, metas = [], []
+            for k, (i, j, piece, sub, offset) in enumerate(job.chunks):
+                payload = _payload(_host_chunk(job, k, self.endpoint))
+                payloads.append(payload)
+                metas.append(_chunk_meta(job, i, j, piece, offset, payload, self.endpoint))
+            _sendall(self.sock, b"".join([_frame(_BATCH, {"tag": job.tag, "chunks": metas}), *payloads]), self.address)
+            with _counted:
+                job.handle.wire_bytes += sum(map(len, payloads))
+            return
         ep, sock, address, tag = self.endpoint, self.sock, self.address, job.tag
         copy = _host_chunk(job, 0, ep)  # the next chunk's copy to the host runs while this one is sent
         pending = []  # small chunks wait here and go out together, in as few packets as they fit
         for k, (i, j, piece, sub, offset) in enumerate(job.chunks):
             data, copy = copy, (_host_chunk(job, k + 1, ep) if k + 1 < len(job.chunks) else None)
-            x = job.leaves[i]
-            payload = memoryview(np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8))
-            frame = {"tag": tag, "leaf": i, "piece": j, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
-                     "region": [list(r) for r in piece.region], "offset": offset, "n": payload.nbytes,
-                     "sum": ep._checksum(payload)}
+            payload = _payload(data)
+            frame = {"tag": tag, **_chunk_meta(job, i, j, piece, offset, payload, ep)}
             if payload.nbytes <= _SMALL and sum(map(len, pending)) <= _SMALL:
                 pending += [_frame(_CHUNK, frame), payload.tobytes()]
             else:
@@ -502,12 +543,26 @@ class _Stream:
         # With TCP_NODELAY every write is a packet and a wake-up of the receiver: the last
         # small chunks and END go in one.
         _sendall(sock, b"".join(pending) + _frame(_END, {"tag": tag}), address)
+
+    def _acknowledged(self, job: _Job) -> None:
+        """Waits for the receiver's ACK: it verified every chunk of the job."""
         try:
-            kind, meta = _read_frame(sock, address, idle_ok=False, timeout_s=ep.cfg.timeout_s)
+            kind, meta = _read_frame(self.sock, self.address, idle_ok=False, timeout_s=self.endpoint.cfg.timeout_s)
         except PeerLost:
-            raise TransferError(f"send {tag!r}: peer {address} closed the stream instead of acknowledging; "
+            raise TransferError(f"send {job.tag!r}: peer {self.address} closed the stream instead of acknowledging; "
                                 f"see its log (wrong tag, shape, dtype or a failed checksum)") from None
-        assert kind == _ACK and meta["tag"] == tag, (kind, meta)
+        assert kind == _ACK and meta["tag"] == job.tag, (kind, meta)
+
+
+def _payload(data) -> memoryview:
+    return memoryview(np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8))
+
+
+def _chunk_meta(job: _Job, i: int, j: int, piece, offset: int, payload: memoryview, endpoint) -> dict:
+    x = job.leaves[i]
+    return {"leaf": i, "piece": j, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
+            "region": [list(r) for r in piece.region], "offset": offset, "n": payload.nbytes,
+            "sum": endpoint._checksum(payload)}
 
 
 def _host_chunk(job: _Job, k: int, endpoint: HostEndpoint):
