@@ -29,7 +29,7 @@ from pathlib import Path
 from bench import common
 from hetjax import config as config_lib
 from hetjax.compile import backend, cli
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 from hetjax.hetero import placement
 from launch import local
 

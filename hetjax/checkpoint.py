@@ -36,16 +36,9 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_pol
 from hetjax.compile import aot
 from hetjax.config import CheckpointConfig, ConfigError
 from hetjax.state import TrainState
+from hetjax.errors import CheckpointError, CorruptCheckpoint  # noqa: F401 - raised here, caught by callers
 
 CORRUPT_DIR = "corrupt"  # sibling of the checkpoint directory: damaged steps go here
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, or none of the existing ones can be read."""
-
-
-class CorruptCheckpoint(CheckpointError):
-    pass
 
 
 # ---------------------------------------------------------------------------

@@ -20,10 +20,7 @@ import types
 import typing
 from pathlib import Path
 from typing import Any
-
-
-class ConfigError(ValueError):
-    """A user mistake in the config: the message names the field and the fix."""
+from hetjax.errors import ConfigError  # noqa: F401 - raised here, caught by callers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,10 +26,7 @@ from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
 from hetjax import checkpoint, safetensors_io
 from hetjax.config import ConfigError, ModelConfig
-
-
-class ConvertError(ValueError):
-    """An HF checkpoint hetjax cannot represent, or a damaged one."""
+from hetjax.errors import ConvertError  # noqa: F401 - raised here, caught by callers
 
 
 # ---------------------------------------------------------------------------

@@ -10,12 +10,9 @@ import jax
 import numpy as np
 
 from hetjax.config import Config, ConfigError
+from hetjax.errors import DoesNotFit  # noqa: F401 - raised here, caught by callers
 
 GiB = 1024**3
-
-
-class DoesNotFit(ConfigError):
-    """The layout needs more memory per device than the devices have."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 
 _active = threading.local()
 

@@ -21,10 +21,7 @@ from hetjax import data, memory, metrics, repro, single
 from hetjax.compile import aot, backend
 from hetjax.hetero import job as hetero_job
 from hetjax.profiler import Profiler
-
-
-class TrainingDiverged(RuntimeError):
-    pass
+from hetjax.errors import HetjaxError, TrainingDiverged
 
 
 PREEMPTED = 143  # exit status after SIGTERM: 128 + 15, as if the signal had killed us
@@ -159,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> int:
-    return config_lib.run_main(main, (TrainingDiverged, checkpoint.CheckpointError, *hetero_job.JobError))
+    return config_lib.run_main(main, (HetjaxError,))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import pytest
 
 from hetjax import config as config_lib
 from hetjax import train
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 
 
 def test_config_names_resolve_to_the_same_file():

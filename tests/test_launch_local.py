@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 from hetjax.hetero import runtime, scheduler
 from launch import local
 

@@ -24,10 +24,7 @@ import re
 
 from hetjax.compile import profiles
 from hetjax.config import CompileConfig, ConfigError
-
-
-class BackendStarted(RuntimeError):
-    """jax's backends already exist, so a profile's XLA flags can no longer apply."""
+from hetjax.errors import BackendStarted  # noqa: F401 - raised here, caught by callers
 
 
 # pip names of jax's PJRT plugins, e.g. jax-cuda12-plugin, jax-cuda13-pjrt, jax-rocm7-plugin,

@@ -27,14 +27,11 @@ from jax import export as jax_export
 from hetjax import config as config_lib
 from hetjax import pipeline, step
 from hetjax.compile import aot, profiles
+from hetjax.errors import ArtifactMismatch  # noqa: F401 - raised here, caught by callers
 
 FORMAT = 1
 MANIFEST = "manifest.json"
 STEPS = ("train_step", "eval_step")
-
-
-class ArtifactMismatch(config_lib.ConfigError):
-    """An exported artifact that does not belong to this platform, mesh, jax or config."""
 
 
 def config_hash(cfg) -> str:

@@ -49,7 +49,7 @@ def for_device_kind(kind: str) -> Hardware | None:
 
 def get(name: str) -> Hardware:
     """The record for `name` (case-insensitive), or a ConfigError listing the known ones."""
-    from hetjax.config import ConfigError
+    from hetjax.errors import ConfigError
     for key, hw in TABLE.items():
         if key.lower() == name.lower():
             return hw

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
+from hetjax.errors import UnknownPlatform  # noqa: F401 - raised here, caught by callers
 
 PLATFORMS = ("cpu", "cuda", "rocm")
-
-
-class UnknownPlatform(ConfigError):
-    """A platform name that has no profile."""
 
 
 @dataclasses.dataclass(frozen=True)

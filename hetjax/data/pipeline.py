@@ -20,7 +20,7 @@ import grain
 import jax
 import numpy as np
 
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 from hetjax.data import packing, sources, synthetic, tokenizers
 
 

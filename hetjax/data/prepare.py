@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from hetjax import config as config_lib
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 from hetjax.data import sources, tokenizers
 
 OPTIONS = {"--input": None, "--output": None, "--format": "", "--field": "text",

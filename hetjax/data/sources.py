@@ -22,13 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
+from hetjax.errors import DataError  # noqa: F401 - raised here, caught by callers
 
 FORMATS = ("text", "jsonl")
-
-
-class DataError(ConfigError):
-    """Bad data: the message names the file and line."""
 
 
 def expand(patterns: str, field: str = "config.data.path") -> list[Path]:

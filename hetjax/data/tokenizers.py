@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 
 HF_BOS_NAMES = ("<|begin_of_text|>", "<bos>", "<s>", "[BOS]", "<|endoftext|>")
 

@@ -28,18 +28,16 @@ from hetjax import config as config_lib
 from hetjax import metrics as metrics_lib
 from hetjax import state as state_lib
 from hetjax.compile import backend
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError, IslandLost, IslandsDiverged, IslandStartError, JobError, TransferError  # noqa: F401
 from hetjax.hetero import island as island_lib
 from hetjax.hetero import placement
 from hetjax.hetero import runtime
 from hetjax.hetero import scheduler
 from hetjax.hetero import timeline as timeline_lib
-from hetjax.hetero.links import IslandLost, Links
+from hetjax.hetero.links import Links
 from hetjax.hetero.pipelined import PipelineStage
 from hetjax.hetero.profile import seconds_per_layer
-from hetjax.hetero.replicated import DataShare, IslandsDiverged
-from hetjax.hetero.runtime import IslandStartError
-from hetjax.transfer import TransferError
+from hetjax.hetero.replicated import DataShare
 from hetjax.transfer.core import run_async
 
 
@@ -82,11 +80,6 @@ def start(cfg) -> tuple[str, object]:
     where = f"island {settings.island} rank {settings.process_id}/{spec.num_processes} (from {settings.source})"
     stand_in = f" standing in for {spec.platform}" if settings.stand_in else ""
     return f"{line}; {where} on {platform}{stand_in}", settings
-
-
-# What a job over islands may fail with, besides config and checkpoint errors: a peer
-# island lost, islands whose parameters drifted apart, a world that did not form.
-JobError = (IslandLost, IslandsDiverged, IslandStartError, TransferError)
 
 
 def agreed(cfg) -> dict:

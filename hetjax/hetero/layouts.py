@@ -7,7 +7,7 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 
 _CONFIG = '''"""{n} virtual islands over {base!r} (written by hetjax.hetero.layouts)."""
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetjax import config as config_lib
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 from hetjax.hetero import job as hetero_job
 from hetjax.hetero.island import geometry, make_mesh
 from hetjax.hetero.links import IslandLost, Links, link_config

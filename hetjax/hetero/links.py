@@ -24,10 +24,7 @@ from hetjax.hetero import runtime
 from hetjax.hetero import timeline as timeline_lib
 from hetjax.hetero.island import geometry, put
 from hetjax.transfer import TransferError, TransferTimeout, local, open_endpoint
-
-
-class IslandLost(RuntimeError):
-    """A peer island stopped answering: names the island and the rank."""
+from hetjax.errors import IslandLost  # noqa: F401 - raised here, caught by callers
 
 
 def pair_index(i: int, j: int, n: int) -> int:

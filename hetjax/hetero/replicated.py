@@ -17,10 +17,7 @@ from hetjax import state as state_lib
 from hetjax.compile import aot
 from hetjax.hetero import island as island_lib
 from hetjax.hetero.update import add_in_order, make_apply, sum_of_squares
-
-
-class IslandsDiverged(RuntimeError):
-    """Islands that must hold identical parameters do not."""
+from hetjax.errors import IslandsDiverged  # noqa: F401 - raised here, caught by callers
 
 
 class DataShare:

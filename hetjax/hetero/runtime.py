@@ -21,13 +21,10 @@ import socket
 
 from hetjax.config import Config, ConfigError, IslandConfig
 from hetjax.transfer.link import address, retry
+from hetjax.errors import IslandStartError  # noqa: F401 - raised here, caught by callers
 
 
 CPUS_VARIABLE = "HETJAX_CPUS"  # cores this process keeps to (launch.local's stand-in islands)
-
-
-class IslandStartError(RuntimeError):
-    """An island's jax.distributed world did not form (a dead or unreachable coordinator)."""
 
 
 @dataclasses.dataclass(frozen=True)

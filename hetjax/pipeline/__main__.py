@@ -4,7 +4,7 @@
 import argparse
 import sys
 
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 from hetjax.pipeline.schedule import KINDS, make_schedule, plot, timeline
 
 

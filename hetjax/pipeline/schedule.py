@@ -31,7 +31,7 @@ import dataclasses
 import numpy as np
 
 from hetjax.config import PIPELINE_SCHEDULES as KINDS
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from hetjax import sharding, step
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 from hetjax.pipeline.schedule import Schedule, forward_only, make_schedule
 from hetjax.pipeline.stages import StageLayout, make_layout, map_blocks, stage_backward, stage_forward
 

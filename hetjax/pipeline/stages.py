@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 from hetjax.sharding import constrain
 from hetjax.step import loss_sums_of_logits
 

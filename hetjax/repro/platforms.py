@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from hetjax import config as config_lib
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 from hetjax.repro import check as check_lib
 from hetjax.repro import compare as compare_lib
 

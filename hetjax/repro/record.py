@@ -117,7 +117,7 @@ def read(run_dir: str | Path) -> tuple[list[dict], dict[int, dict], dict[int, di
     """(headers, step rows by step, params rows by step) of a run directory."""
     path = Path(run_dir) / FILE
     if not path.is_file():
-        from hetjax.config import ConfigError
+        from hetjax.errors import ConfigError
         raise ConfigError(f"{run_dir}: no {FILE} here; give the run_dir of a hetjax.train run "
                           f"(runs write it since config.fingerprint_every was added)")
     headers, steps, params = [], {}, {}

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 from hetjax.transfer import core
 from hetjax.transfer.link import LinkConfig, TransferError
 from hetjax.transfer.plan import Layout

@@ -40,6 +40,7 @@ from hetjax.transfer import core, link
 from hetjax.transfer.api import Endpoint, check_leaf
 from hetjax.transfer.link import TransferError, TransferTimeout
 from hetjax.transfer.plan import extent, split, volume
+from hetjax.errors import PeerLost  # noqa: F401 - raised here, caught by callers
 
 log = logging.getLogger("hetjax.transfer")
 
@@ -53,10 +54,6 @@ CLOSE_GRACE_S = 5.0
 _SMALL = 64 << 10  # a chunk (or a whole message) this small goes out with its header(s) in one write
 _STREAM_BYTES = 1 << 20  # a message uses another stream for every MiB it holds, up to LinkConfig.streams
 _counted = threading.Lock()  # guards Handle.wire_bytes across stream threads
-
-
-class PeerLost(TransferTimeout):
-    """The peer closed the connection in the middle of a transfer (it died)."""
 
 
 def _mac(secret: bytes, role: bytes, nonce: bytes) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from hetjax.config import BACKENDS, CHECKSUMS, LinkConfig
+from hetjax.errors import TransferError, TransferTimeout  # noqa: F401 - raised here, caught by callers
 
 __all__ = ["BACKENDS", "CHECKSUMS", "LinkConfig", "TransferError", "TransferTimeout", "address"]
 
@@ -29,9 +30,3 @@ def retry(attempt, timeout_s: float, pause_s: float, fail):
             time.sleep(pause_s)
 
 
-class TransferError(RuntimeError):
-    """A transfer failed: bad data, a refused connection, a mismatched message."""
-
-
-class TransferTimeout(TransferError, TimeoutError):
-    """A peer did not answer within LinkConfig.timeout_s."""

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from hetjax.config import ConfigError
+from hetjax.errors import ConfigError
 from hetjax.transfer import host, link
 from hetjax.transfer.link import TransferError, TransferTimeout
 
