@@ -18,8 +18,7 @@ import time
 
 import jax
 
-from bench import common
-from hetjax import checkpoint, data
+from hetjax import checkpoint, data, program
 from hetjax.config import CheckpointConfig, Config, MeshConfig, ModelConfig
 from hetjax.mesh import make_mesh
 
@@ -37,8 +36,8 @@ def main() -> None:
                                    num_kv_heads=2, head_dim=d // 4), mesh=MeshConfig(fsdp=-1),
                  batch_size=args.batch, seq_len=128, steps=10_000)
     mesh = make_mesh(cfg.mesh)
-    prog, train_step = common.train_program(cfg, mesh)
-    state = common.initial_state(prog)
+    prog = program.build(cfg, mesh)
+    train_step, state = prog.compile_train_step(), prog.init_state()
     dataset = data.build(cfg)
     batches = [dataset.batch(s, prog.batch_shardings) for s in range(args.steps)]
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import sys
 
+from hetjax import cli
 from hetjax import config as config_lib
-from hetjax import pipeline
-from hetjax.compile import aot
 
 DEFAULT_CONFIG = "configs/tiny.py"
 
@@ -49,21 +48,9 @@ def parse(argv: list[str], counts: dict[str, tuple[int, int]], switches: tuple[s
                 f"unknown argument {arg!r}; known: --config, --config.KEY=VALUE, "
                 f"{', '.join([*counts, *switches])}, --help")
     has_config = any(a == "--config" or a.startswith("--config=") for a in rest)
-    cmd = config_lib.parse_command_line(rest if has_config else ["--config", DEFAULT_CONFIG] + rest,
-                                        flags=())
+    cmd = cli.parse_command_line(rest if has_config else ["--config", DEFAULT_CONFIG] + rest,
+                                 flags=())
     overrides = cmd.overrides if has_config else {**(default_overrides or {}), **cmd.overrides}
     opts = {k.removeprefix("--").replace("-", "_"): v for k, v in opts.items()}
     return config_lib.load(cmd.config, overrides), opts
-
-
-def train_program(cfg, mesh):
-    """(aot.program, its compiled train step): hetjax/train.py's path, nothing allocated."""
-    prog = aot.program(cfg, mesh)
-    return prog, pipeline.compile_train_step(cfg, prog.graphdef, prog.tx, prog.state, prog.state_shardings,
-                                             mesh, prog.plan)
-
-
-def initial_state(prog):
-    """The config's initial train state, laid out by the program's shardings."""
-    return pipeline.create_state(prog.cfg, prog.tx, prog.state_shardings, prog.plan)
 

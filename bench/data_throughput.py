@@ -3,7 +3,7 @@
     python -m bench.data_throughput [--config configs/tiny.py] [--steps N] [--pipeline-steps P]
         [--config.KEY=VALUE ...]
 
-- train step: the config's compiled train step (bench.common.train_program, state
+- train step: the config's compiled train step (hetjax.program's compile_train_step, state
   donated) over N batches made and placed beforehand, so it pays no data cost;
   the clock stops when the last step's metrics are on the host.
 - pipeline: hetjax's grain data iterator (data.build(cfg).iterator) with 0 and
@@ -27,7 +27,7 @@ import jax
 
 from bench import common
 from hetjax import config as config_lib
-from hetjax import data, step
+from hetjax import data, program
 from hetjax.compile import cli
 from hetjax.mesh import describe, make_mesh
 
@@ -40,8 +40,8 @@ def parse(argv: list[str]) -> tuple[config_lib.Config, int, int]:
 
 
 def train_step_rate(cfg, mesh, batches) -> float:
-    prog, train_step = common.train_program(cfg, mesh)
-    state = common.initial_state(prog)
+    prog = program.build(cfg, mesh)
+    train_step, state = prog.compile_train_step(), prog.init_state()
     state, m = train_step(state, batches[0])  # warm up
     jax.block_until_ready(m)
     t = time.perf_counter()
@@ -68,7 +68,7 @@ def pipeline_rate(dataset, shardings, steps: int, workers: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     cfg, steps, pipeline_steps = parse(sys.argv[1:] if argv is None else argv)
     mesh = make_mesh(cfg.mesh)
-    shardings = step.batch_shardings(mesh, cfg.sharding.rules)
+    shardings = program.batch_shardings(mesh, cfg.sharding.rules)
     dataset = data.build(cfg)
     print(f"{cfg.name}: batch {cfg.batch_size} x {cfg.seq_len} on mesh {describe(mesh)} "
           f"({mesh.devices.flat[0].device_kind}); data {dataset.description}; {steps} train steps, "

@@ -74,16 +74,13 @@ def main(argv: list[str]) -> int:
     import jax
     import jax.numpy as jnp
     from hetjax import data, metrics
-    from hetjax import state as state_lib
-    from hetjax import pipeline
-    from hetjax.compile import aot, hardware
+    from hetjax import program
+    from hetjax.compile import hardware
     from hetjax.mesh import make_mesh
 
     mesh = make_mesh(cfg.mesh)
-    prog = aot.program(cfg, mesh)
-    train_step = pipeline.compile_train_step(cfg, prog.graphdef, prog.tx, prog.state,
-                                             prog.state_shardings, mesh, prog.plan)
-    state = state_lib.create_state(cfg.model, cfg.seed, prog.tx, prog.state_shardings)
+    prog = program.build(cfg, mesh)
+    train_step, state = prog.compile_train_step(), prog.init_state()
     dataset = data.build(cfg)
     batches = [dataset.batch(s, prog.batch_shardings) for s in range(4)]
     num_params = sum(math.prod(l.shape) for l in prog.layouts)

@@ -27,11 +27,12 @@ import tempfile
 from pathlib import Path
 
 from bench import common
+from hetjax import cli as cli_lib  # `cli` below is hetjax.compile.cli
 from hetjax import config as config_lib
 from hetjax.compile import backend, cli
 from hetjax.errors import ConfigError
 from hetjax.hetero import placement
-from launch import local
+from hetjax.launch import local
 
 DEFAULT = "configs/tiny_hetero.py"
 BACKENDS = ("host", "direct")
@@ -79,7 +80,7 @@ def main(argv: list[str]) -> int:
             args.pop(0)
         elif arg.partition("=")[0] not in counts and arg not in switches:
             rest.append(arg)
-    cmd = config_lib.parse_command_line(rest, flags=())
+    cmd = cli_lib.parse_command_line(rest, flags=())
     config, overrides = cmd.config, dict(cmd.overrides)
     if opts["data"]:
         overrides["hetero.placement"] = "data"

@@ -28,21 +28,19 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from hetjax import data, pipeline, step  # noqa: E402
+from hetjax import data, pipeline, program  # noqa: E402
 from hetjax.config import Config, MeshConfig, ModelConfig, OptimConfig, PipelineConfig, validate  # noqa: E402
 from hetjax.mesh import make_mesh  # noqa: E402
 
 
 def build(cfg, devices):
     mesh = make_mesh(cfg.mesh, devices)
-    plan, rules, tx, graphdef, shardings, state = pipeline.build(cfg, mesh)
-    batch_sh = step.batch_shardings(mesh, rules)
-    train_step = step.jit_train_step(pipeline.train_step_fn(cfg, graphdef, tx, mesh, plan), shardings,
-                                     batch_sh, mesh)
-    batch = data.build(cfg).batch(0, batch_sh)
+    prog = program.build(cfg, mesh)
+    train_step, state = prog.jit_train_step(), prog.init_state()
+    batch = data.build(cfg).batch(0, prog.batch_shardings)
     state, metrics = train_step(state, batch)  # compile
     jax.block_until_ready(metrics)
-    return train_step, state, batch, plan
+    return train_step, state, batch, prog.plan
 
 
 def main(argv=None) -> int:

@@ -7,8 +7,8 @@ Both sides train the same model (the same NNX Decoder, graphdef and initial
 parameters) with the same optax chain (hetjax.optim.make_optimizer) on the same
 mesh, with the same state and batch shardings and the state donated:
 
-- hetjax: the real path of hetjax/train.py: aot.program (abstract state and its
-  shardings) and the compiled train step (bench.common.train_program); each step
+- hetjax: the real path of hetjax/train.py: program.build (abstract state and its
+  shardings) and its compiled train step; each step
   takes its batch from the grain data iterator (data loading is part of hetjax's
   cost) and reads the previous step's metrics to the host, as the loop does.
 - baseline: plain jax.value_and_grad of the masked mean token cross-entropy of
@@ -51,7 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hetjax import config as config_lib
 from bench import common
-from hetjax import data, sharding, step
+from hetjax import data, program, sharding
 from hetjax import state as state_lib
 from hetjax.compile import cli
 from hetjax.mesh import describe, make_mesh
@@ -83,7 +83,8 @@ def parse_args(argv: list[str]) -> tuple[config_lib.Config, dict]:
 class Hetjax:
     def __init__(self, cfg: config_lib.Config, mesh):
         self.cfg = cfg
-        self.prog, self.train_step = common.train_program(cfg, mesh)
+        self.prog = program.build(cfg, mesh)
+        self.train_step = self.prog.compile_train_step()
         self.graphdef, self.tx = self.prog.graphdef, self.prog.tx
         self.state_shardings, self.batch_shardings = self.prog.state_shardings, self.prog.batch_shardings
         self.num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(self.prog.state.params))
@@ -91,7 +92,7 @@ class Hetjax:
         self.state = self.create_state()
 
     def create_state(self) -> state_lib.TrainState:
-        return common.initial_state(self.prog)
+        return self.prog.init_state()
 
     def batch(self, s: int) -> dict[str, jax.Array]:
         return self.data.batch(s, self.batch_shardings)
@@ -152,7 +153,7 @@ class Baseline:
                          donate_argnums=(0, 1))
         state = het.create_state()  # a second, identical copy
         self.params, self.opt_state = state.params, state.opt_state
-        abstract_batch = step.abstract_batch(het.cfg.batch_size, het.cfg.seq_len,
+        abstract_batch = program.abstract_batch(het.cfg.batch_size, het.cfg.seq_len,
                                              het.batch_shardings)
         self.train_step = jitted.lower(self.params, self.opt_state, abstract_batch).compile()
         self.het = het

@@ -11,7 +11,7 @@ config.hetero.auto_split=True to measure both islands and split by that instead)
 import dataclasses
 
 from hetjax.config import HeteroConfig, IslandConfig, LinkConfig, MeshConfig, PipelineConfig
-from configs import llama8b
+from hetjax.configs import llama8b
 
 
 def get_config():

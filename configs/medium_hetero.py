@@ -10,7 +10,7 @@ small enough to benchmark on a laptop.
 import dataclasses
 
 from hetjax.config import ModelConfig, PipelineConfig
-from configs import tiny_hetero
+from hetjax.configs import tiny_hetero
 
 
 def get_config():

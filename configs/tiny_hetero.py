@@ -8,7 +8,7 @@ transfers over loopback) with `python -m launch.local --config configs/tiny_hete
 import dataclasses
 
 from hetjax.config import HeteroConfig, IslandConfig, MeshConfig, PipelineConfig
-from configs import tiny
+from hetjax.configs import tiny
 
 
 def get_config():

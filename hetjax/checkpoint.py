@@ -24,7 +24,6 @@ and the previous one is used.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from pathlib import Path
 
@@ -34,80 +33,13 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_policy
 
 from hetjax.compile import aot
-from hetjax.config import CheckpointConfig, ConfigError
+from hetjax.checkpoint_config import CheckpointConfig
+from hetjax.errors import ConfigError
 from hetjax.state import TrainState
 from hetjax.errors import CheckpointError, CorruptCheckpoint  # noqa: F401 - raised here, caught by callers
+from hetjax.repro.digest import leaf_checksums, params_checksum, path_name
 
 CORRUPT_DIR = "corrupt"  # sibling of the checkpoint directory: damaged steps go here
-
-
-# ---------------------------------------------------------------------------
-# Fingerprints: exact, layout-independent hashes computed where the arrays live.
-
-
-def _mix32(x):
-    # murmur3's finaliser: every input bit flips about half the output bits.
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def _leaf_hash(x: jax.Array) -> jax.Array:
-    """Two uint32 words over the bits and positions of x. Sums of uint32 wrap, so
-    the result is exact whatever the sharding or reduction order."""
-    x = jnp.asarray(x)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    width = x.dtype.itemsize
-    if width == 8:
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)  # (..., 2)
-    else:
-        bits = jax.lax.bitcast_convert_type(x, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[width])
-        bits = bits.astype(jnp.uint32)
-    index = jnp.zeros(bits.shape, jnp.uint32)
-    stride = 1
-    for axis in reversed(range(bits.ndim)):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * jnp.uint32(stride % 2**32)
-        stride *= bits.shape[axis]
-    words = [jnp.sum(_mix32(bits ^ _mix32(index * jnp.uint32(2) + jnp.uint32(salt))), dtype=jnp.uint32)
-             for salt in (1, 0x9E3779B9)]
-    return jnp.stack(words)
-
-
-@jax.jit
-def _tree_hashes(tree):
-    return jax.tree.map(_leaf_hash, tree)
-
-
-def _path(keypath) -> str:
-    parts = []
-    for k in keypath:
-        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
-        if name != "value":  # nnx.Variable's single child
-            parts.append(str(name))
-    return "/".join(parts)
-
-
-def leaf_hashes(tree) -> dict[str, str]:
-    """'path/to/leaf' -> 16 hex digits, for every array leaf of `tree`."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    hashes = jax.device_get(_tree_hashes([x for _, x in leaves]))
-    return {_path(p): f"{int(h[0]):08x}{int(h[1]):08x}" for (p, _), h in zip(leaves, hashes)}
-
-
-def fingerprint(params, hashes: dict[str, str] | None = None) -> str:
-    """One hex digest of the parameters' names, shapes, dtypes and exact bits. It does
-    not depend on the mesh, the sharding or the number of processes. `hashes`:
-    leaf_hashes(params), when already computed."""
-    hashes = leaf_hashes(params) if hashes is None else hashes
-    leaves = {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-    h = hashlib.sha256()
-    for name in sorted(leaves):
-        x = leaves[name]
-        h.update(f"{name}|{tuple(x.shape)}|{jnp.dtype(x.dtype).name}|{hashes[name]};".encode())
-    return h.hexdigest()[:32]
 
 
 # ---------------------------------------------------------------------------
@@ -163,9 +95,9 @@ class Manager:
         """Starts an asynchronous save of `state` as checkpoint `step`. Raises
         CheckpointError if this save or the previous asynchronous one failed."""
         self._raise_pending_errors()
-        checksums = leaf_hashes({"params": state.params, "opt_state": state.opt_state})
+        checksums = leaf_checksums({"params": state.params, "opt_state": state.opt_state})
         params_hashes = {k.removeprefix("params/"): v for k, v in checksums.items() if k.startswith("params/")}
-        meta = {"step": step, "params_fingerprint": fingerprint(state.params, params_hashes),
+        meta = {"step": step, "params_checksum": params_checksum(state.params, params_hashes),
                 "checksums": checksums, "time": time.time()}
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params),
@@ -295,9 +227,9 @@ class Manager:
 def check_shapes(saved_tree, abstract, where: str, saved_config: dict | None = None) -> None:
     """Raises ConfigError naming the first parameter whose saved shape differs."""
     saved_tree = getattr(saved_tree, "tree", saved_tree)  # orbax's TreeMetadata
-    saved = {_path(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(
+    saved = {path_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(
         saved_tree, is_leaf=lambda x: hasattr(x, "shape"))[0] if hasattr(m, "shape")}
-    wanted = {_path(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    wanted = {path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     hint = ""
     if saved_config and "model" in saved_config:
         hint = f" The checkpoint was written with model config {saved_config['model']}."
@@ -318,7 +250,7 @@ def verify(expected: dict[str, str], tree, where: str) -> None:
     """Recomputes the checksums of `tree` and compares them with those saved."""
     if not expected:
         return
-    actual = leaf_hashes(tree)
+    actual = leaf_checksums(tree)
     bad = sorted(k for k in expected if actual.get(k) != expected[k])
     if bad or set(actual) != set(expected):
         raise CorruptCheckpoint(
@@ -360,7 +292,7 @@ def load_params(path: str | Path, abstract_params, param_shardings, log=print):
             log(f"warning: {e}; trying an older one")
             errors.append(str(e))
             continue
-        log(f"initialised the parameters from {where} (fingerprint {small.meta.get('params_fingerprint')})")
+        log(f"initialised the parameters from {where} (checksum {small.meta.get('params_checksum')})")
         return arrays.params
     raise CheckpointError(f"config.init_from={str(path)!r}: no readable checkpoint ({errors or 'none found'})")
 

@@ -25,7 +25,9 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
 from hetjax import checkpoint, safetensors_io
-from hetjax.config import ConfigError, ModelConfig
+from hetjax.repro import digest
+from hetjax.errors import ConfigError
+from hetjax.models.llama import ModelConfig
 from hetjax.errors import ConvertError  # noqa: F401 - raised here, caught by callers
 
 
@@ -191,7 +193,7 @@ def import_hf(hf_dir: Path, out_dir: Path, param_dtype: str = "float32", log=pri
                 raise ConvertError(f"{e.hf.format(i=i)} has shape {t.shape}, config.json implies {e.hf_shape}")
             x[() if i is None else i] = e.to_hetjax(t).astype(x.dtype)
         ocp_partial.save(staging, _nested(e.path, x))
-        hashes.update(checkpoint.leaf_hashes({e.path: x}))
+        hashes.update(digest.leaf_checksums({e.path: x}))
         shapes[e.path] = jax.ShapeDtypeStruct(x.shape, x.dtype)
         log(f"  {e.path:26} {str(x.shape):22} <- {e.hf}")
         del x
@@ -199,7 +201,7 @@ def import_hf(hf_dir: Path, out_dir: Path, param_dtype: str = "float32", log=pri
     manager = ocp.CheckpointManager(out_dir, item_handlers={"meta": ocp.JsonCheckpointHandler(),
                                                              "config": ocp.JsonCheckpointHandler()})
     meta = {"step": 0, "checksums": {f"params/{k}": v for k, v in hashes.items()}, "hf_config": hf_config,
-            "params_fingerprint": checkpoint.fingerprint(shapes, hashes), "source": str(hf_dir)}
+            "params_checksum": digest.params_checksum(shapes, hashes), "source": str(hf_dir)}
     manager.save(0, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta),
                                             config=ocp.args.JsonSave({"model": dataclasses.asdict(m)})))
     manager.close()
@@ -230,7 +232,7 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes
                 partial_restore=True))
             x = np.asarray(_leaf(x, e.path))
             want = checksums.get(f"params/{e.path}")
-            if want is not None and checkpoint.leaf_hashes({e.path: x})[e.path] != want:
+            if want is not None and digest.leaf_checksums({e.path: x})[e.path] != want:
                 raise ConvertError(f"{params_dir}: parameter {e.path} does not match its checksum; the checkpoint is damaged")
             log(f"  {e.path:26} {str(x.shape):22} -> {e.hf}")
             for i in _layers(e, m):

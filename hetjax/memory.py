@@ -9,7 +9,8 @@ import os
 import jax
 import numpy as np
 
-from hetjax.config import Config, ConfigError
+from hetjax.config import Config
+from hetjax.errors import ConfigError
 from hetjax.errors import DoesNotFit  # noqa: F401 - raised here, caught by callers
 
 GiB = 1024**3

@@ -8,13 +8,36 @@ every indexing op in model code carry an out_sharding, i.e. know the mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from hetjax.config import MESH_AXES, ConfigError, MeshConfig
+from hetjax.errors import ConfigError
+
+MESH_AXES = ("pipeline", "data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the named mesh axes; one of them may be -1 (all remaining devices)."""
+
+    pipeline: int = 1
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+
+def validate_mesh(mesh: MeshConfig) -> None:
+    """Raises ConfigError for sizes no device count can satisfy."""
+    sizes = [getattr(mesh, a) for a in MESH_AXES]
+    if sum(s == -1 for s in sizes) > 1:
+        raise ConfigError(f"config.mesh={mesh}: at most one axis may be -1")
+    for axis, size in zip(MESH_AXES, sizes):
+        if size == 0 or size < -1:
+            raise ConfigError(f"config.mesh.{axis}={size}: use a positive size, or -1 for the remaining devices")
 
 
 def resolve_shape(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]:

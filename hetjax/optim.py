@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import optax
 from flax import nnx
 
-from hetjax.config import OptimConfig
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay."""
+
+    learning_rate: float = 3e-4
+    warmup_steps: int = 10
+    decay_steps: int = 0  # 0: decay over the whole run (config.steps)
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # never applied to norms and biases
+    grad_clip_norm: float = 1.0  # 0 disables clipping
+    grad_accum_steps: int = 1  # micro-batches per step (the batch is split evenly)
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

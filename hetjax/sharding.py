@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import math
 import threading
 
@@ -18,6 +19,67 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hetjax.errors import ConfigError
+from hetjax.mesh import MESH_AXES
+
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("layers", None),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+    """The rules table and the replication guard (config.sharding)."""
+
+    # Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
+    # A mesh axis already used by an earlier dimension of the same array is skipped.
+    rules: tuple = DEFAULT_RULES
+    # Refuse layouts that leave more than this share of parameter bytes unsplit by
+    # any non-`data` mesh axis (only checked when such axes have size > 1).
+    max_replicated_fraction: float = 0.1
+
+
+def validate_sharding(s: ShardingConfig, model_axes) -> None:
+    """Raises ConfigError unless the rules name every logical axis of the model
+    (`model_axes`, e.g. ModelConfig.dims()) plus batch and length, once, onto mesh axes."""
+    if not 0.0 <= s.max_replicated_fraction <= 1.0:
+        raise ConfigError(
+            f"config.sharding.max_replicated_fraction={s.max_replicated_fraction}: "
+            f"must lie in [0, 1]")
+    names = set()
+    for i, rule in enumerate(s.rules):
+        if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ConfigError(
+                f"config.sharding.rules[{i}]={rule!r}: each rule is (logical_axis, mesh_axes), "
+                f"e.g. ('mlp', 'tensor') or ('batch', ('data', 'fsdp')) or ('length', None)")
+        target = rule[1]
+        targets = () if target is None else (target,) if isinstance(target, str) else target
+        for axis in targets:
+            if axis not in MESH_AXES:
+                raise ConfigError(
+                    f"config.sharding.rules[{i}]={rule!r}: {axis!r} is not a mesh axis; "
+                    f"mesh axes are {MESH_AXES}")
+        if rule[0] in names:
+            raise ConfigError(f"config.sharding.rules: logical axis {rule[0]!r} appears twice")
+        names.add(rule[0])
+    required = set(model_axes) | {"batch", "length"}
+    for name in sorted(names - required):
+        close = difflib.get_close_matches(name, required, n=2, cutoff=0.5)
+        hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"known: {sorted(required)}"
+        raise ConfigError(f"config.sharding.rules: unknown logical axis {name!r}; {hint}")
+    missing = sorted(required - names)
+    if missing:
+        raise ConfigError(
+            f"config.sharding.rules has no rule for logical axes {missing}; add e.g. "
+            f"({missing[0]!r}, None) to replicate")
+
 
 _active = threading.local()
 

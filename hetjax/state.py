@@ -12,8 +12,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from hetjax import sharding
-from hetjax.config import ModelConfig
-from models.llama import Decoder
+from hetjax.models.llama import ModelConfig
+from hetjax.models.llama import Decoder
 
 
 @flax.struct.dataclass

@@ -1,4 +1,5 @@
-"""Pure train and eval steps: (state, batch) -> (state, metrics)."""
+"""Pure train and eval steps: (state, batch) -> (state, metrics): the loss, its gradients
+and the update. Compiling them is hetjax.program's."""
 
 from __future__ import annotations
 
@@ -6,20 +7,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from hetjax import sharding
-from hetjax.compile import aot
 from hetjax.data import packing
 from hetjax.state import TrainState
 
 BATCH_AXES = ("batch", "length")
 BATCH_KEYS = packing.KEYS  # what the data pipeline makes is what the step reads
-
-
-def batch_shardings(mesh: Mesh, rules) -> dict[str, NamedSharding]:
-    spec = sharding.spec_for(BATCH_AXES, rules)
-    return {k: NamedSharding(mesh, spec) for k in BATCH_KEYS}
 
 
 def loss_sums(params, graphdef, batch):
@@ -99,29 +94,3 @@ def make_eval_step(graphdef, mesh: Mesh, rules):
             loss_sum, count = loss_sums(params, graphdef, batch)
         return {"loss_sum": loss_sum, "tokens": count}
     return eval_step
-
-
-def jit_train_step(train_step, state_shardings, batch_sharding, mesh: Mesh):
-    """jit with explicit in/out shardings and the state donated (updated in place)."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                   out_shardings=(state_shardings, replicated), donate_argnums=0)
-
-
-def jit_eval_step(eval_step, param_shardings, batch_sharding, mesh: Mesh):
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(eval_step, in_shardings=(param_shardings, batch_sharding),
-                   out_shardings=replicated)
-
-
-def abstract_batch(batch_size: int, seq_len: int, shardings: dict) -> dict[str, jax.ShapeDtypeStruct]:
-    return {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=s)
-            for k, s in shardings.items()}
-
-
-def compile_step(jit, fn, cfg, abstract, shardings, mesh: Mesh, rules):
-    """jit(fn, ...) (jit_train_step or jit_eval_step) lowered for the abstract state or
-    params and a config-sized batch, and compiled (nothing allocated)."""
-    batch_sh = batch_shardings(mesh, rules)
-    return aot.compile(jit(fn, shardings, batch_sh, mesh), aot.abstract(abstract, shardings),
-                       abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))

@@ -16,19 +16,21 @@ import jax
 import numpy as np
 
 from hetjax import checkpoint
+from hetjax import cli as cli_lib  # `cli` below is the console script's entry point
 from hetjax import config as config_lib
-from hetjax import data, memory, metrics, repro, single
+from hetjax import data, memory, metrics, repro
 from hetjax.compile import aot, backend
 from hetjax.hetero import job as hetero_job
+from hetjax.job import Job, MeshJob
 from hetjax.profiler import Profiler
-from hetjax.errors import HetjaxError, TrainingDiverged
+from hetjax.errors import TrainingDiverged
 
 
 PREEMPTED = 143  # exit status after SIGTERM: 128 + 15, as if the signal had killed us
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = config_lib.parse_command_line(sys.argv[1:] if argv is None else argv)
+    args = cli_lib.parse_command_line(sys.argv[1:] if argv is None else argv, doc=__doc__)
     cfg = config_lib.load(args.config, args.overrides)
     config_lib.validate(cfg)
     if args.compile_only and cfg.hetero.islands:
@@ -49,14 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         print(text, flush=True)
 
     if args.compile_only:
-        job = single.Job(cfg, dataset, compile_only=True, log=log)
-        report = aot.analysis(job.compiled)
+        mesh_job = MeshJob(cfg, dataset, compile_only=True, log=log)
+        report = aot.analysis(mesh_job.compiled)
         for key, value in report.items():
             unit = f"{value / memory.GiB:.3f} GiB" if key.endswith("bytes") else f"{value:.4g}"
             print(f"  {key:>22}: {unit} per device")
-        print(f"  {'model_flops':>22}: {job.flops_per_step():.4g} per step (6N + attention)")
+        print(f"  {'model_flops':>22}: {mesh_job.flops_per_step():.4g} per step (6N + attention)")
         return 0
-    job = hetero_job.Job(cfg, dataset, settings, log) if cfg.hetero.islands else single.Job(cfg, dataset, log=log)
+    job: Job = (hetero_job.IslandsJob(cfg, dataset, settings, log) if cfg.hetero.islands
+                else MeshJob(cfg, dataset, log=log))
     state, start, batches, ckpt = job.state, job.start, job.batches, job.checkpoints
     flops_per_step, peak = job.flops_per_step(), job.peak
     floor = "" if dataset.floor is None else f"; its best possible loss is {dataset.floor:.4f}"
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         flush()  # every step before a checkpoint is in metrics.jsonl
         ckpt.save(s, state, batches.get_state(), config_lib.to_dict(cfg))
 
-    previous_handler = signal.signal(signal.SIGTERM, lambda *_: job.preempted.append(True))
+    previous_handler = signal.signal(signal.SIGTERM, lambda *_: job.request_stop())
     try:
         previous = None
         if recorder.due(start):
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> int:
-    return config_lib.run_main(main, (HetjaxError,))
+    return cli_lib.run_main(main)  # ConfigError: exit 2; any other HetjaxError: exit 1
 
 
 if __name__ == "__main__":

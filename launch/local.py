@@ -29,12 +29,15 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from hetjax import cli as cli_lib  # `cli` below is the console entry point
 from hetjax import config as config_lib
 from hetjax.config import Config, ConfigError
 from hetjax.hetero import runtime, scheduler
 from hetjax.hetero.placement import proportional
 
-REPO = Path(__file__).resolve().parent.parent
+# On every process's path: the folder that holds the hetjax package (the repository in a
+# checkout; installed, this file is hetjax/launch/local.py and its parent's parent is hetjax).
+REPO = Path(config_lib.__file__).resolve().parent.parent
 KILL_GRACE_S = 10.0  # after SIGTERM, before SIGKILL
 MODULES = ("hetjax.train", "hetjax.hetero.linkcheck")  # what every process may run (--module)
 _VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}
@@ -297,9 +300,9 @@ def _terminate(procs: list[Process], say) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = config_lib.parse_command_line(sys.argv[1:] if argv is None else argv, flags=(),
-                                         options={"stand_in": "", "backend": None, "module": "hetjax.train",
-                                                  "pin": "auto"})
+    args = cli_lib.parse_command_line(sys.argv[1:] if argv is None else argv, flags=(), doc=__doc__,
+                                      options={"stand_in": "", "backend": None, "module": "hetjax.train",
+                                               "pin": "auto"})
     options = args.options
     if options["stand_in"] not in ("",) + config_lib.PLATFORMS:
         raise ConfigError(f"--stand_in={options['stand_in']!r}: choose one of {config_lib.PLATFORMS}")
@@ -312,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> int:
-    return config_lib.run_main(main)
+    return cli_lib.run_main(main)
 
 
 if __name__ == "__main__":

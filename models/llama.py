@@ -15,12 +15,14 @@ table decides which mesh axes they land on (see hetjax/sharding.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hetjax.errors import ConfigError
 from hetjax.sharding import constrain
 
 REMAT_POLICIES = {
@@ -30,6 +32,68 @@ REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Llama 3 / Qwen2 decoder. Qwen2 = qkv_bias=True, rope_theta=1e6, no scaling."""
+
+    vocab_size: int = 256
+    num_layers: int = 2
+    embed_dim: int = 64
+    mlp_dim: int = 192
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    rope_theta: float = 500_000.0
+    rope_scaling_factor: float = 1.0  # > 1 turns on Llama 3's frequency scaling
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_length: int = 8192
+    dtype: str = "float32"  # compute dtype: float32 or bfloat16
+    param_dtype: str = "float32"  # master weights stay fp32
+    remat: str = "none"  # per-layer policy: none | full | dots | dots_no_batch
+    attention_impl: str = "auto"  # jax.nn.dot_product_attention: auto | xla | cudnn
+
+    def dims(self) -> dict[str, tuple[str, int]]:
+        """Logical axis -> (config field, size), for divisibility checks."""
+        return {
+            "vocab": ("model.vocab_size", self.vocab_size),
+            "embed": ("model.embed_dim", self.embed_dim),
+            "mlp": ("model.mlp_dim", self.mlp_dim),
+            "heads": ("model.num_heads", self.num_heads),
+            "kv_heads": ("model.num_kv_heads", self.num_kv_heads),
+            "head_dim": ("model.head_dim", self.head_dim),
+            "layers": ("model.num_layers", self.num_layers),
+        }
+
+
+_CHOICES = {
+    "dtype": ("float32", "bfloat16"),
+    "param_dtype": ("float32", "bfloat16"),
+    "remat": tuple(REMAT_POLICIES),
+    "attention_impl": ATTENTION_IMPLEMENTATIONS,
+}
+
+
+def validate_model(m: ModelConfig) -> None:
+    """Raises ConfigError for a choice or size the decoder cannot build."""
+    for key, choices in _CHOICES.items():
+        if getattr(m, key) not in choices:
+            raise ConfigError(f"config.model.{key}={getattr(m, key)!r}: choose one of {choices}")
+    for key in ("vocab_size", "num_layers", "embed_dim", "mlp_dim", "num_heads", "num_kv_heads", "head_dim"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"config.model.{key}={getattr(m, key)}: must be positive")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"config.model.num_heads={m.num_heads} is not a multiple of "
+            f"config.model.num_kv_heads={m.num_kv_heads}: grouped-query attention shares each "
+            f"KV head among an equal number of query heads")
+    if m.head_dim % 2:
+        raise ConfigError(f"config.model.head_dim={m.head_dim}: RoPE needs an even head_dim")
 
 _init = nnx.initializers.normal(stddev=0.02)
 
@@ -181,6 +245,13 @@ class Block(nnx.Module):
         x = x + self.attn(self.attn_norm(x), positions, segment_ids, inv_freq)
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, ("batch", "length", "embed"))
+
+
+# The Decoder's top-level parameter names, for code that splits the model by name
+# (pipeline stages, islands): the stacked layers, the embedding, and the head.
+BLOCKS = "blocks"
+EMBED = "embed_VD"
+HEAD = ("final_norm", "unembed_DV")
 
 
 class Decoder(nnx.Module):

@@ -70,9 +70,10 @@ def srun(argv: list[str]) -> int:
 
 
 def task(python: str, module: str, args: list[str]) -> int:
+    from hetjax import cli
     from hetjax import config as config_lib
     from hetjax.hetero import scheduler
-    line = config_lib.parse_command_line(args)
+    line = cli.parse_command_line(args)
     cfg = config_lib.load(line.config, line.overrides)
     s = scheduler.from_env(os.environ, cfg)
     secret = os.environ.get(cfg.hetero.link.secret_env, "")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from hetjax import checkpoint, data, step, train
+from hetjax.repro import digest
 from hetjax import state as state_lib
 from hetjax.config import CheckpointConfig, ConfigError, MeshConfig
 from hetjax.mesh import make_mesh
@@ -125,22 +126,22 @@ def test_restore_onto_other_meshes_reshards_without_gathering(saved):
         for x, s in zip(jax.tree.leaves(got.params), jax.tree.leaves(shardings.params)):
             assert x.sharding == s  # each device holds only its shard
             assert x.addressable_shards[0].data.shape == s.shard_shape(x.shape)
-        prints.append(checkpoint.fingerprint(got.params))
-    assert prints == [checkpoint.fingerprint(saved.params)] * 2 == [restored.meta["params_fingerprint"]] * 2
+        prints.append(digest.params_checksum(got.params))
+    assert prints == [digest.params_checksum(saved.params)] * 2 == [restored.meta["params_checksum"]] * 2
 
 
 def test_fingerprint_sees_one_flipped_bit_and_ignores_layout():
     tree = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, np.int32)}
-    base = checkpoint.fingerprint(tree)
+    base = digest.params_checksum(tree)
     flipped = tree["a"].copy()
     flipped.view(np.uint32)[1, 2] ^= 1
-    assert checkpoint.fingerprint({**tree, "a": flipped}) != base
+    assert digest.params_checksum({**tree, "a": flipped}) != base
     swapped = tree["a"].copy()
     swapped[0, 0], swapped[0, 1] = swapped[0, 1], swapped[0, 0]
-    assert checkpoint.fingerprint({**tree, "a": swapped}) != base
+    assert digest.params_checksum({**tree, "a": swapped}) != base
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     sharded = jax.device_put(np.tile(tree["a"], (8, 1)), jax.NamedSharding(mesh, jax.P("x")))
-    assert checkpoint.leaf_hashes([sharded]) == checkpoint.leaf_hashes([np.tile(tree["a"], (8, 1))])
+    assert digest.leaf_checksums([sharded]) == digest.leaf_checksums([np.tile(tree["a"], (8, 1))])
 
 
 def damage_params(step_dir: Path, damage: str) -> None:
@@ -202,6 +203,7 @@ FULL_DISK = textwrap.dedent("""
     sys.path.insert(0, os.getcwd())
     import jax
     from hetjax import checkpoint
+    from hetjax.repro import digest
     from hetjax.config import CheckpointConfig, MeshConfig
     from tests.test_sharding import CFG, build
     from tests.test_checkpoint import abstract_for
@@ -226,7 +228,7 @@ FULL_DISK = textwrap.dedent("""
     abstract, shardings = abstract_for(MeshConfig(fsdp=1), 1)
     restored = checkpoint.Manager(directory).restore_latest(abstract, shardings, log=print)
     print(json.dumps({"error": error, "restored": restored.step,
-                      "same": checkpoint.fingerprint(restored.state.params) == checkpoint.fingerprint(state.params)}))
+                      "same": digest.params_checksum(restored.state.params) == digest.params_checksum(state.params)}))
 """)
 
 

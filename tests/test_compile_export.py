@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetjax import data, step
-from hetjax import state as state_lib
-from hetjax.compile import aot, cli, export
+from hetjax import data, program, step
+from hetjax.compile import cli, export
 from hetjax.compile.__main__ import main as compile_main
 from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig
 from hetjax.mesh import make_mesh
@@ -32,7 +31,7 @@ def test_export_for_gpus_writes_a_manifest_that_round_trips(tmp_path):
     assert manifest["platforms"] == ["cuda", "rocm"] and manifest["jax_version"] == jax.__version__
     assert manifest["mesh"]["shape"] == {"pipeline": 1, "data": 2, "fsdp": 4, "tensor": 1}
     # Inputs: every state leaf then the batch, with the shapes the config implies.
-    prog = aot.program(CFG, mesh)
+    prog = program.build(CFG, mesh)
     leaves = jax.tree.leaves(prog.state)
     train = manifest["functions"]["train_step"]
     assert len(train["inputs"]) == len(leaves) + len(step.BATCH_KEYS)
@@ -53,13 +52,13 @@ def test_cpu_artifact_matches_the_jitted_step_bit_for_bit(tmp_path):
     mesh = make_mesh(CFG.mesh)
     export.export(CFG, mesh, ("cpu", "cuda", "rocm"), tmp_path)
     loaded = export.load(tmp_path, CFG, mesh)
-    prog = aot.program(CFG, mesh)
+    prog = program.build(CFG, mesh)
     fn = step.make_train_step(prog.graphdef, prog.tx, learning_rate_schedule(CFG.optim, CFG.steps),
                               mesh, CFG.sharding.rules)
-    jitted = step.jit_train_step(fn, prog.state_shardings, prog.batch_shardings, mesh)
-    eval_jitted = step.jit_eval_step(step.make_eval_step(prog.graphdef, mesh, CFG.sharding.rules),
-                                     prog.state_shardings.params, prog.batch_shardings, mesh)
-    ours = state_lib.create_state(CFG.model, CFG.seed, prog.tx, prog.state_shardings)
+    jitted = program.jit_train_step(fn, prog.state_shardings, prog.batch_shardings, mesh)
+    eval_jitted = program.jit_eval_step(step.make_eval_step(prog.graphdef, mesh, CFG.sharding.rules),
+                                        prog.state_shardings.params, prog.batch_shardings, mesh)
+    ours = prog.init_state()
     # Two copies (both steps donate their state), made by one program.
     theirs = jax.jit(lambda t: jax.tree.map(jnp.copy, t))(ours)
     dataset = data.build(CFG)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from hetjax import cli
 from hetjax import config as config_lib
 from hetjax import train
 from hetjax.errors import ConfigError
@@ -53,14 +54,14 @@ def test_bad_overrides_name_the_key(key, value, message):
 
 
 def test_command_line():
-    args = config_lib.parse_command_line(["--config", "tiny.py", "--config.steps=5",
+    args = cli.parse_command_line(["--config", "tiny.py", "--config.steps=5",
                                           "--config.model.dtype", "bfloat16", "--compile_only"])
     assert args.config == "tiny.py" and args.compile_only
     assert args.overrides == {"steps": "5", "model.dtype": "bfloat16"}
     with pytest.raises(ConfigError, match="did you mean --compile_only"):
-        config_lib.parse_command_line(["--config", "tiny.py", "--compile-onyl"])
+        cli.parse_command_line(["--config", "tiny.py", "--compile-onyl"])
     with pytest.raises(ConfigError, match="--config is required"):
-        config_lib.parse_command_line([])
+        cli.parse_command_line([])
     with pytest.raises(ConfigError, match="known configs: .*tiny"):
         config_lib.find_config_file("nope.py")
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hetjax import data, step
+from hetjax import data, program
 from hetjax.config import DEFAULT_RULES, Config, DataConfig, MeshConfig, ModelConfig
 from hetjax.data import packing, pipeline, synthetic
 from hetjax.mesh import make_mesh
-from models.llama import Decoder
+from hetjax.models.llama import Decoder
 
 BOS = 99
 
@@ -165,7 +165,7 @@ def test_batches_are_the_same_on_every_mesh_and_worker_count(workers):
     expected = reference_batches(d, range(4))
     meshes = [MeshConfig(data=1, fsdp=8), MeshConfig(data=4, fsdp=2), MeshConfig(data=4, tensor=2, fsdp=1)]
     for mesh_cfg in meshes[1:2] if workers else meshes:  # worker start-up is slow
-        sh = step.batch_shardings(make_mesh(mesh_cfg), DEFAULT_RULES)
+        sh = program.batch_shardings(make_mesh(mesh_cfg), DEFAULT_RULES)
         it = pipeline.DataIterator(d.train, 8, sh, fingerprint=d.fingerprint, num_workers=workers)
         try:
             for exp in expected:
@@ -178,7 +178,7 @@ def test_batches_are_the_same_on_every_mesh_and_worker_count(workers):
 
 def test_restoring_the_state_continues_exactly():
     d = data.build(CFG)
-    sh = step.batch_shardings(make_mesh(MeshConfig(data=2, fsdp=4)), DEFAULT_RULES)
+    sh = program.batch_shardings(make_mesh(MeshConfig(data=2, fsdp=4)), DEFAULT_RULES)
     it = d.iterator(sh)
     whole = [jax.device_get(next(it)) for _ in range(6)]
     it.close()
@@ -196,13 +196,13 @@ def test_restoring_the_state_continues_exactly():
     # A state from other data is refused.
     other = data.build(CFG.__class__(**{**CFG.__dict__, "seq_len": 32}))
     with pytest.raises(Exception, match="restore with the config"):
-        other.iterator(step.batch_shardings(make_mesh(MeshConfig(data=2, fsdp=4)), DEFAULT_RULES)).set_state(state)
+        other.iterator(program.batch_shardings(make_mesh(MeshConfig(data=2, fsdp=4)), DEFAULT_RULES)).set_state(state)
     resumed.close()
 
 
 def test_starting_far_into_training_costs_no_more_than_starting_at_zero():
     d = data.build(CFG)
-    sh = step.batch_shardings(make_mesh(MeshConfig(fsdp=8)), DEFAULT_RULES)
+    sh = program.batch_shardings(make_mesh(MeshConfig(fsdp=8)), DEFAULT_RULES)
     seconds = {}
     for start in (0, 10**9):
         t = time.perf_counter()
@@ -217,7 +217,7 @@ def test_starting_far_into_training_costs_no_more_than_starting_at_zero():
 
 def test_eval_batches_are_fixed_and_held_out():
     d = data.build(CFG)
-    sh = step.batch_shardings(make_mesh(MeshConfig(fsdp=8)), DEFAULT_RULES)
+    sh = program.batch_shardings(make_mesh(MeshConfig(fsdp=8)), DEFAULT_RULES)
     a, b = d.eval_batch(1, sh), d.eval_batch(1, sh)
     np.testing.assert_array_equal(np.asarray(a["inputs"]), np.asarray(b["inputs"]))
     assert not np.array_equal(np.asarray(a["inputs"]), np.asarray(d.batch(1, sh)["inputs"]))

@@ -31,11 +31,11 @@ def worker(process_id: int, num_processes: int, port: int, out: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
                                process_id=process_id, initialization_timeout=120)
-    from hetjax import data, step
+    from hetjax import data, program
     from hetjax.mesh import make_mesh
     cfg = config()
     d = data.build(cfg)
-    sh = step.batch_shardings(make_mesh(cfg.mesh), cfg.sharding.rules)
+    sh = program.batch_shardings(make_mesh(cfg.mesh), cfg.sharding.rules)
     it = d.iterator(sh)
     saved = {}
     for s in range(STEPS):

@@ -29,7 +29,7 @@ def write_config(tmp_path, name, body):
     path.write_text(textwrap.dedent('''
         import dataclasses
         from hetjax.config import *
-        from configs import tiny
+        from hetjax.configs import tiny
 
         def get_config():
             cfg = tiny.get_config()
@@ -108,7 +108,7 @@ def test_data_islands_train_like_one_island_with_identical_parameters(tmp_path, 
     prints = set()
     for name in ("cuda", "rocm"):
         manager = checkpoint.Manager(run_dir / "checkpoints" / name)
-        prints.add(manager.read_json(STEPS, "meta").meta["params_fingerprint"])
+        prints.add(manager.read_json(STEPS, "meta").meta["params_checksum"])
         manager.close()
     assert len(prints) == 1  # bit for bit the same parameters on both islands
 

@@ -14,7 +14,7 @@ import pytest
 
 from hetjax import checkpoint, train
 from hetjax.hetero import timeline
-from launch import local
+from hetjax.launch import local
 
 CONFIG = """
 import dataclasses

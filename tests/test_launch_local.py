@@ -14,7 +14,7 @@ import pytest
 
 from hetjax.errors import ConfigError
 from hetjax.hetero import runtime, scheduler
-from launch import local
+from hetjax.launch import local
 
 CONFIG = """
 from hetjax.config import Config, HeteroConfig, IslandConfig, MeshConfig, ModelConfig
@@ -135,9 +135,9 @@ def test_bad_launcher_input_is_refused_before_anything_starts(cfg_path, tmp_path
 # b:0 fails (exit 3) and a:1 ignores SIGTERM, so the launcher has to escalate to SIGKILL.
 DUMMY = textwrap.dedent("""
     import os, signal, sys, time
-    from hetjax import config
+    from hetjax import cli, config
     from hetjax.hetero import scheduler
-    args = config.parse_command_line(sys.argv[1:])
+    args = cli.parse_command_line(sys.argv[1:])
     s = scheduler.from_env(os.environ, config.load(args.config, args.overrides))
     print("hello from", s.tag, os.environ["XLA_FLAGS"].split()[-1], "seed", args.overrides.get("seed"), flush=True)
     print("to stderr", file=sys.stderr, flush=True)
@@ -183,9 +183,9 @@ def test_one_failing_process_stops_the_whole_job_within_the_timeout(cfg_path, mo
 # a sharded array every step; with FAIL set, a:1 dies after step 1.
 JAX_WORKLOAD = textwrap.dedent("""
     import os, signal, sys, time
-    from hetjax import config
+    from hetjax import cli, config
     from hetjax.hetero import runtime, scheduler
-    args = config.parse_command_line(sys.argv[1:])
+    args = cli.parse_command_line(sys.argv[1:])
     cfg = config.load(args.config, args.overrides)
     s = scheduler.from_env(os.environ, cfg)
     island = {i.name: i for i in cfg.hetero.islands}[s.island]

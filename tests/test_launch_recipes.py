@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hetjax import cli
 from hetjax import config as config_lib
 from hetjax.hetero import runtime, scheduler
 
@@ -74,7 +75,7 @@ def pod_env(container, jobset_name, replicated_job, completion_index, secrets):
 
 def manifest_config(container):
     """The config the container runs: its own args, parsed as hetjax.train parses them."""
-    line = config_lib.parse_command_line(container["args"])
+    line = cli.parse_command_line(container["args"])
     return config_lib.load(str(REPO / line.config), line.overrides), line
 
 

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from hetjax.config import Config, ConfigError, HeteroConfig, IslandConfig, MeshConfig, ModelConfig
 from hetjax.hetero import linkcheck
 from hetjax.hetero.island import geometry, make_mesh
-from launch import local
+from hetjax.launch import local
 
 # Island a: 2 processes x 2 devices; island b: 1 process x 3 devices (meshes of 4 and 3).
 CONFIG = """

@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from hetjax.config import ModelConfig
-from models.llama import Decoder, rope_inv_freq
+from hetjax.models.llama import Decoder, rope_inv_freq
 from tests import reference as ref
 
 SMALL = dict(vocab_size=64, num_layers=2, embed_dim=32, mlp_dim=48, num_heads=4,

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetjax import data, pipeline, sharding, step
+from hetjax import data, pipeline, program, sharding, step
 from hetjax.compile import aot
 from hetjax.config import (Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, PipelineConfig,
                            validate)
@@ -144,7 +144,7 @@ def test_stage_functions_chained_equal_the_model():
 
 
 def _batches(cfg, mesh, rules):
-    dataset, sh = data.build(cfg), step.batch_shardings(mesh, rules)
+    dataset, sh = data.build(cfg), program.batch_shardings(mesh, rules)
     return [dataset.batch(s, sh) for s in range(cfg.steps)]
 
 
@@ -165,9 +165,9 @@ def reference():
         return l, c, g
 
     grads = jax.device_get(jax.jit(_mean_grads, static_argnums=0)(grad_fn, state.params, batches[0]))
-    train_step = step.jit_train_step(
+    train_step = program.jit_train_step(
         step.make_train_step(graphdef, tx, learning_rate_schedule(CFG.optim, CFG.steps), mesh, rules),
-        shardings, step.batch_shardings(mesh, rules), mesh)
+        shardings, program.batch_shardings(mesh, rules), mesh)
     losses = []
     for batch in batches:
         state, metrics = train_step(state, batch)
@@ -178,14 +178,16 @@ def reference():
 def run_pipelined(cfg):
     mesh = make_mesh(cfg.mesh, jax.devices()[:np.prod([getattr(cfg.mesh, a) for a in
                                                        ("pipeline", "data", "fsdp", "tensor")])])
-    plan, rules, tx, graphdef, shardings, state = pipeline.build(cfg, mesh)
+    prog = program.build(cfg, mesh)
+    plan, rules, tx, graphdef, shardings = prog.plan, prog.rules, prog.tx, prog.graphdef, prog.state_shardings
+    state = prog.init_state()
     batches = _batches(cfg, mesh, rules)
     grad_fn = pipeline.make_grad_fn(graphdef, mesh, rules, plan)
     grads = jax.jit(_mean_grads, static_argnums=0)(grad_fn, state.params, batches[0])
-    train_step = step.jit_train_step(
+    train_step = program.jit_train_step(
         pipeline.make_train_step(graphdef, tx, learning_rate_schedule(cfg.optim, cfg.steps), mesh,
                                  rules, plan),
-        shardings, step.batch_shardings(mesh, rules), mesh)
+        shardings, program.batch_shardings(mesh, rules), mesh)
     losses = []
     for batch in batches:
         state, metrics = train_step(state, batch)
@@ -248,14 +250,14 @@ def test_1f1b_memory_does_not_grow_with_microbatches_like_gpipe():
         for M in (4, 16):
             cfg = dataclasses.replace(CFG, model=model, mesh=MeshConfig(pipeline=2, fsdp=1),
                                       pipeline=PipelineConfig(kind, M), batch_size=2 * M, seq_len=32)
-            prog = aot.program(cfg, make_mesh(cfg.mesh, jax.devices()[:2]))
+            prog = program.build(cfg, make_mesh(cfg.mesh, jax.devices()[:2]))
             if kind == "1f1b":
                 assert prog.plan.slots == 1  # the stash: at most S-1 stage inputs, whatever M
             params_sh, batch_sh = prog.state_shardings.params, prog.batch_shardings
             fn = jax.jit(pipeline.make_grad_fn(prog.graphdef, prog.mesh, prog.rules, prog.plan),
                          in_shardings=(params_sh, batch_sh))
             compiled = aot.compile(fn, aot.abstract(prog.state.params, params_sh),
-                                   step.abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))
+                                   program.abstract_batch(cfg.batch_size, cfg.seq_len, batch_sh))
             peak[kind, M] = aot.analysis(compiled)["peak_bytes"]
     stage_input = 2 * 32 * 64 * 4  # one micro-batch's (b, T, D) fp32 activation
     gpipe_growth = peak["gpipe", 16] - peak["gpipe", 4]

@@ -11,8 +11,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from hetjax import metrics
-from hetjax.compile import aot, hlo, plan
+from hetjax import metrics, program
+from hetjax.compile import hlo, plan
 from hetjax.compile.cli import run
 from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, load
 from hetjax.mesh import make_mesh
@@ -67,7 +67,7 @@ def test_full_size_parameter_bytes_from_layouts(name):
     # byte count over the state's shardings, against the analytic formula.
     cfg = load(name)
     for mesh_cfg in (MeshConfig(fsdp=8), MeshConfig(fsdp=4, tensor=2)):
-        prog = aot.program(dataclasses.replace(cfg, mesh=mesh_cfg), make_mesh(mesh_cfg))
+        prog = program.build(dataclasses.replace(cfg, mesh=mesh_cfg), make_mesh(mesh_cfg))
         got = plan.state_bytes(prog.state.params, prog.state_shardings.params)
         assert got == pytest.approx(analytic_param_bytes(cfg.model, mesh_cfg.fsdp, mesh_cfg.tensor))
     assert sum(l.bytes for l in prog.layouts) / 4 == pytest.approx(

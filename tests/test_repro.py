@@ -12,13 +12,13 @@ import pytest
 
 from flax import nnx
 
-from hetjax import data, sharding, step
+from hetjax import data, program, sharding
 from hetjax import state as state_lib
 from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, load
 from hetjax.mesh import make_mesh
 from hetjax.optim import learning_rate_schedule
 from hetjax.pipeline.stages import make_layout, map_blocks, to_stages
-from hetjax.repro import check, compare, fingerprint as fp, read
+from hetjax.repro import check, compare, digest as fp, read
 from hetjax.repro.__main__ import main as repro_main
 
 CFG = Config(model=ModelConfig(vocab_size=64, num_layers=3, embed_dim=32, mlp_dim=64, num_heads=4,
@@ -50,7 +50,7 @@ def test_parameter_digest_is_layout_independent_and_norms_match_numpy(params):
 
 
 def _named(params):
-    from hetjax.checkpoint import _path
+    from hetjax.repro.digest import path_name as _path
     return [(_path(p), x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
@@ -86,7 +86,7 @@ def test_batch_digest_is_exact_for_any_sharding_and_adds_over_rows():
     cfg = dataclasses.replace(CFG, mesh=MeshConfig(data=2, fsdp=4))
     mesh = make_mesh(cfg.mesh)
     stream = data.build(cfg)
-    batch = stream.batch(3, step.batch_shardings(mesh, cfg.sharding.rules))
+    batch = stream.batch(3, program.batch_shardings(mesh, cfg.sharding.rules))
     host = {k: np.asarray(v) for k, v in batch.items()}
     digest = fp.batch_digest(batch)
     assert digest == fp.batch_digest(host)
@@ -94,7 +94,7 @@ def test_batch_digest_is_exact_for_any_sharding_and_adds_over_rows():
             fp.batch_digest({k: v[3:] for k, v in host.items()}, rows=3)) % 2**64 == digest
     swapped = {k: v[[1, 0, *range(2, len(v))]] for k, v in host.items()}
     assert fp.batch_digest(swapped) != digest  # a row's place in the batch counts
-    assert fp.batch_digest({k: np.asarray(v) for k, v in stream.batch(4, step.batch_shardings(
+    assert fp.batch_digest({k: np.asarray(v) for k, v in stream.batch(4, program.batch_shardings(
         mesh, cfg.sharding.rules)).items()}) != digest
 
 

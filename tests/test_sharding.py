@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from hetjax import data, sharding, step
+from hetjax import data, program, sharding, step
 from hetjax import state as state_lib
 from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig
 from hetjax.mesh import make_mesh
@@ -30,18 +30,14 @@ MESHES = {
 
 def build(cfg, mesh_cfg, num_devices):
     mesh = make_mesh(mesh_cfg, jax.devices()[:num_devices])
-    rules = cfg.sharding.rules
-    tx = make_optimizer(cfg.optim, cfg.steps)
-    graphdef, abstract = state_lib.abstract_state(cfg.model, cfg.seed, tx)
-    shardings = state_lib.state_shardings(abstract, mesh, rules)
-    state = state_lib.create_state(cfg.model, cfg.seed, tx, shardings)
-    return mesh, rules, tx, graphdef, shardings, state
+    prog = program.build(cfg, mesh)
+    return mesh, prog.rules, prog.tx, prog.graphdef, prog.state_shardings, prog.init_state()
 
 
 def run(cfg, mesh_cfg, num_devices):
     """First-step gradients and three steps of losses on this mesh."""
     mesh, rules, tx, graphdef, shardings, state = build(cfg, mesh_cfg, num_devices)
-    batch_sh = step.batch_shardings(mesh, rules)
+    batch_sh = program.batch_shardings(mesh, rules)
     stream = data.build(cfg)
 
     def mean_grads(params, batch):
@@ -51,7 +47,7 @@ def run(cfg, mesh_cfg, num_devices):
 
     grads = jax.jit(mean_grads, in_shardings=(shardings.params, batch_sh))(
         state.params, stream.batch(0, batch_sh))
-    train_step = step.jit_train_step(
+    train_step = program.jit_train_step(
         step.make_train_step(graphdef, tx, learning_rate_schedule(cfg.optim, cfg.steps), mesh, rules),
         shardings, batch_sh, mesh)
     losses = []
@@ -107,7 +103,7 @@ def test_parameter_shardings_follow_the_rules_table():
 
 def test_batch_is_split_over_data_and_fsdp():
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    spec = step.batch_shardings(mesh, CFG.sharding.rules)["inputs"].spec
+    spec = program.batch_shardings(mesh, CFG.sharding.rules)["inputs"].spec
     assert spec == P(("data", "fsdp"), None)
 
 

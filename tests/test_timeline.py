@@ -14,7 +14,7 @@ import pytest
 
 from hetjax.hetero import timeline as timeline_lib
 from hetjax.transfer import core
-from launch.local import cpu_shares
+from hetjax.launch.local import cpu_shares
 
 
 def finishing(after_s: float, first_byte_s: float | None) -> core.Handle:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetjax import config as config_lib
+from hetjax import config as config_lib, program
 from hetjax import data, step, train
 from hetjax.config import Config, MeshConfig, ModelConfig, OptimConfig
 from hetjax.optim import decay_mask, learning_rate_schedule, make_optimizer
@@ -32,7 +32,7 @@ def make_step(cfg, jit=True):
     mesh, rules, tx, graphdef, shardings, state = build(cfg, cfg.mesh, 8)
     fn = step.make_train_step(graphdef, tx, learning_rate_schedule(cfg.optim, cfg.steps), mesh,
                               rules, cfg.optim.grad_accum_steps)
-    batch_sh = step.batch_shardings(mesh, rules)
+    batch_sh = program.batch_shardings(mesh, rules)
     stream = data.build(cfg)
     batches = [stream.batch(s, batch_sh) for s in range(cfg.steps)]
     return fn, shardings, batch_sh, mesh, state, batches
@@ -46,7 +46,7 @@ def test_the_step_is_traced_once():
         traces.append(1)
         return fn(state, batch)
 
-    jitted = step.jit_train_step(counted, shardings, batch_sh, mesh)
+    jitted = program.jit_train_step(counted, shardings, batch_sh, mesh)
     for batch in batches:
         state, _ = jitted(state, batch)
     assert len(traces) == 1 and jitted._cache_size() == 1
@@ -58,7 +58,7 @@ def test_gradient_accumulation_changes_memory_not_the_result():
     for accum in (1, 4):
         cfg = dataclasses.replace(CFG, optim=dataclasses.replace(CFG.optim, grad_accum_steps=accum))
         fn, shardings, batch_sh, mesh, state, batches = make_step(cfg)
-        jitted = step.jit_train_step(fn, shardings, batch_sh, mesh)
+        jitted = program.jit_train_step(fn, shardings, batch_sh, mesh)
         metrics = []
         for batch in batches:
             state, m = jitted(state, batch)
@@ -74,7 +74,7 @@ def test_gradient_accumulation_changes_memory_not_the_result():
 def test_bf16_compute_keeps_fp32_master_weights():
     cfg = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, dtype="bfloat16"))
     fn, shardings, batch_sh, mesh, state, batches = make_step(cfg)
-    jitted = step.jit_train_step(fn, shardings, batch_sh, mesh)
+    jitted = program.jit_train_step(fn, shardings, batch_sh, mesh)
     losses = []
     for batch in batches:
         state, m = jitted(state, batch)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hetjax.transfer import TransferError, TransferTimeout, host, probe
+from hetjax.transfer import TransferError, TransferTimeout, probe, wire
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "probe-test-secret-0123456789"
@@ -62,7 +62,7 @@ def test_a_silent_server_gives_a_timeout_naming_it(monkeypatch, authenticates, m
         conn, addr = listener.accept()
         held.append(conn)
         if authenticates:
-            host.authenticate(conn, SECRET.encode(), str(addr))
+            wire.authenticate(conn, SECRET.encode(), str(addr))
 
     threading.Thread(target=server, daemon=True).start()
     start = time.monotonic()

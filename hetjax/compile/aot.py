@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import jax
 
 
@@ -36,34 +33,3 @@ def analysis(compiled) -> dict[str, float]:
         out["flops"] = float(cost.get("flops", 0.0))
         out["bytes_accessed"] = float(cost.get("bytes accessed", 0.0))
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """Everything needed to lower a config's steps on a mesh, all abstract."""
-
-    cfg: Any
-    mesh: Any
-    tx: Any
-    graphdef: Any
-    state: Any  # TrainState of ShapeDtypeStructs
-    state_shardings: Any
-    batch_shardings: dict
-    layouts: list  # sharding.ParamLayout per parameter
-    plan: Any = None  # hetjax.pipeline's Plan when config.mesh.pipeline > 1
-    rules: tuple = ()  # the sharding rules in force (the pipeline adds "layers" -> pipeline)
-
-
-def program(cfg, mesh) -> Program:
-    """Checks that the model splits over `mesh` (ConfigError naming the field if not),
-    then builds the abstract state and its shardings. Allocates nothing."""
-    from hetjax import optim, pipeline, sharding, step
-    from hetjax import state as state_lib
-    plan = pipeline.make_plan(cfg, mesh)  # None unless config.mesh.pipeline > 1
-    rules = pipeline.rules(cfg, plan)
-    sharding.check_divisible(pipeline.dims(cfg, plan), rules, mesh)
-    tx = optim.make_optimizer(cfg.optim, cfg.steps)
-    graphdef, state = pipeline.abstract_state(cfg, tx, plan)
-    layouts = sharding.param_layouts(state.params, mesh, rules)
-    return Program(cfg, mesh, tx, graphdef, state, state_lib.state_shardings(state, mesh, rules),
-                   step.batch_shardings(mesh, rules), layouts, plan, rules)

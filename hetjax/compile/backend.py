@@ -23,7 +23,8 @@ import pkgutil
 import re
 
 from hetjax.compile import profiles
-from hetjax.config import CompileConfig, ConfigError
+from hetjax.compile.config import CompileConfig
+from hetjax.errors import ConfigError
 from hetjax.errors import BackendStarted  # noqa: F401 - raised here, caught by callers
 
 

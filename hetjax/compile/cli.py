@@ -6,6 +6,7 @@ import argparse
 import math
 import sys
 
+from hetjax import cli
 from hetjax import config as config_lib
 from hetjax.compile import backend
 
@@ -14,7 +15,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]):
     """(namespace, validated Config): `parser`'s flags, plus --config X and --config.a.b=v."""
     parser.add_argument("--config", required=True, help="config file, e.g. configs/tiny.py")
     ns, rest = parser.parse_known_args(argv)
-    cmd = config_lib.parse_command_line(["--config", ns.config, *rest], flags=())
+    cmd = cli.parse_command_line(["--config", ns.config, *rest], flags=())
     cfg = config_lib.load(cmd.config, cmd.overrides)
     config_lib.validate(cfg)
     return ns, cfg

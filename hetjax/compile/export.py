@@ -25,7 +25,7 @@ import jaxlib
 from jax import export as jax_export
 
 from hetjax import config as config_lib
-from hetjax import pipeline, step
+from hetjax import program, step
 from hetjax.compile import aot, profiles
 from hetjax.errors import ArtifactMismatch  # noqa: F401 - raised here, caught by callers
 
@@ -42,18 +42,17 @@ def _mesh_record(mesh) -> dict:
     return {"axis_names": list(mesh.axis_names), "shape": dict(mesh.shape), "devices": mesh.size}
 
 
-def _flat_functions(prog: aot.Program):
+def _flat_functions(prog: program.Program):
     """(name -> (jitted flat function, abstract args, input paths, output paths))."""
-    cfg, mesh = prog.cfg, prog.mesh
+    mesh = prog.mesh
     state_flat, state_def = jax.tree_util.tree_flatten_with_path(prog.state)
     state_paths = [jax.tree_util.keystr(k) for k, _ in state_flat]
     state_leaves = [leaf for _, leaf in state_flat]
     state_sh = state_def.flatten_up_to(prog.state_shardings)
     params_leaves, params_def = jax.tree.flatten(prog.state.params)
     params_sh = params_def.flatten_up_to(prog.state_shardings.params)
-    batch = step.abstract_batch(cfg.batch_size, cfg.seq_len, prog.batch_shardings)
-    train = pipeline.train_step_fn(cfg, prog.graphdef, prog.tx, mesh, prog.plan)
-    evaluate = pipeline.eval_step_fn(cfg, prog.graphdef, mesh, prog.plan)
+    batch = prog.abstract_batch()
+    train, evaluate = prog.train_step_fn(), prog.eval_step_fn()
 
     def train_flat(leaves, batch):
         new_state, metrics = train(state_def.unflatten(leaves), batch)
@@ -64,9 +63,9 @@ def _flat_functions(prog: aot.Program):
 
     params_paths = [p for p in state_paths if p.startswith(".params")]
     return {
-        "train_step": (step.jit_train_step(train_flat, state_sh, prog.batch_shardings, mesh),
+        "train_step": (program.jit_train_step(train_flat, state_sh, prog.batch_shardings, mesh),
                        (aot.abstract(state_leaves, state_sh), batch), state_paths),
-        "eval_step": (step.jit_eval_step(eval_flat, params_sh, prog.batch_shardings, mesh),
+        "eval_step": (program.jit_eval_step(eval_flat, params_sh, prog.batch_shardings, mesh),
                       (aot.abstract(params_leaves, params_sh), batch), params_paths),
     }
 
@@ -88,7 +87,7 @@ def _io_records(exported, in_paths, mesh) -> tuple[list, list]:
 def export(cfg, mesh, platforms, out_dir) -> dict:
     """Lowers the train and eval steps for `platforms` and writes them with a manifest."""
     platforms = tuple(profiles.check_platform(p, "--platforms") for p in platforms)
-    prog = aot.program(cfg, mesh)
+    prog = program.build(cfg, mesh)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest = {"format": FORMAT, "jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__,
@@ -161,7 +160,7 @@ def load(out_dir, cfg, mesh, platform: str | None = None) -> Loaded:
     out = Path(out_dir)
     manifest = read_manifest(out)
     check(manifest, cfg, mesh, platform)
-    prog = aot.program(cfg, mesh)
+    prog = program.build(cfg, mesh)
     exported = {}
     for name in STEPS:
         record = manifest["functions"][name]

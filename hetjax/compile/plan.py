@@ -14,9 +14,10 @@ import math
 
 import jax
 
-from hetjax import memory, metrics, pipeline
+from hetjax import memory, metrics, program
 from hetjax.compile import aot, hardware, hlo
-from hetjax.config import MESH_AXES, ConfigError, MeshConfig
+from hetjax.errors import ConfigError
+from hetjax.mesh import MESH_AXES, MeshConfig
 
 DEFAULT_HARDWARE = hardware.DEFAULT_HARDWARE
 
@@ -60,9 +61,8 @@ def estimate_step(report: dict, hw: hardware.Hardware) -> dict:
 def plan(cfg, mesh, hardware_names=DEFAULT_HARDWARE) -> dict:
     """Compiles `cfg`'s train step on `mesh` with abstract inputs; per-device figures."""
     hws = [hardware.get(n) for n in hardware_names]
-    prog = aot.program(cfg, mesh)
-    compiled = pipeline.compile_train_step(cfg, prog.graphdef, prog.tx, prog.state, prog.state_shardings,
-                                           mesh, prog.plan)
+    prog = program.build(cfg, mesh)
+    compiled = prog.compile_train_step()
     in_shardings = compiled.input_shardings[0][0]  # the TrainState's, as compiled
     compiler = aot.analysis(compiled)
     counted = hlo.summarize(compiled.as_text(), mesh.size)

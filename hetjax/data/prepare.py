@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetjax import config as config_lib
+from hetjax import cli as cli_lib  # `cli` below is the console entry point
 from hetjax.errors import ConfigError
 from hetjax.data import sources, tokenizers
 
@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
 
 
 def cli() -> int:
-    return config_lib.run_main(lambda: main(sys.argv[1:]))
+    return cli_lib.run_main(lambda: main(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -24,21 +24,26 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from hetjax import checkpoint, memory, optim, pipeline, sharding, step
+from hetjax import checkpoint, memory, optim, program, sharding
 from hetjax import state as state_lib
-from hetjax.config import MESH_AXES, ConfigError, IslandConfig
+from hetjax.config import Config
+from hetjax.errors import ConfigError
+from hetjax.hetero.config import IslandConfig
+from hetjax.mesh import MESH_AXES
 from hetjax.hetero import placement
 from hetjax.hetero import timeline as timeline_lib
 from hetjax.profiler import parse_window
 from hetjax.mesh import resolve_shape
-from hetjax.pipeline.stages import BLOCKS, to_stages
+from hetjax.pipeline.spmd import Plan
+from hetjax.pipeline.stages import to_stages
 from hetjax.transfer.plan import Layout
+from hetjax.models.llama import BLOCKS, EMBED, HEAD
 
 ACTIVATION = ("batch", "length", "embed")
-EMBED, HEAD = "embed_VD", ("final_norm", "unembed_DV")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,26 +161,27 @@ def shared(params, n: int, tied: bool) -> list[str]:
 # An island's whole setup.
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Island:
-    """Island `index` of the job: config, geometry, mesh, rules and abstract state."""
+    """Island `index` of the job, fully built: config, geometry, mesh, rules, optimizer
+    and its part's abstract state and shardings (see build)."""
 
-    cfg: object  # the job's config
+    cfg: Config  # the job's config
     index: int
     geometry: Geometry
     mesh: Mesh
-    icfg: object  # island_config(cfg, index)
+    icfg: Config  # island_config(cfg, index)
     rules: tuple
-    tx: object
-    graphdef: object
-    abstract: state_lib.TrainState
-    shardings: state_lib.TrainState
-    batch_shardings: dict
+    tx: optax.GradientTransformation
+    graphdef: nnx.GraphDef
+    abstract: state_lib.TrainState  # of ShapeDtypeStructs: the island's part
+    shardings: state_lib.TrainState  # of NamedShardings
+    batch_shardings: dict[str, NamedSharding]
+    memory: memory.Estimate  # what the island's part needs per device
+    timeline: timeline_lib.Timeline  # where its programs' dispatch time goes
     layers: tuple[int, int] | None = None  # pipeline placement
     rows: tuple[int, int] | None = None  # data placement
-    plan: object = None  # the island's own pipeline (data placement, mesh.pipeline > 1)
-    memory: object = None  # hetjax.memory's estimate for the island's part
-    timeline: timeline_lib.Timeline | None = None  # where its programs' dispatch time goes
+    plan: Plan | None = None  # the island's own pipeline (data placement, mesh.pipeline > 1)
 
     @property
     def name(self) -> str:
@@ -224,7 +230,7 @@ class Island:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding or self.replicated())
 
     def abstract_batch(self) -> dict:
-        return step.abstract_batch(self.icfg.batch_size, self.cfg.seq_len, self.batch_shardings)
+        return program.abstract_batch(self.icfg.batch_size, self.cfg.seq_len, self.batch_shardings)
 
     def activation_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, sharding.spec_for(ACTIVATION, self.rules))
@@ -234,7 +240,8 @@ class Island:
 
     def create_state(self) -> state_lib.TrainState:
         """The island's part of the same initial weights a one-island run starts from."""
-        return jax.jit(self._init, out_shardings=self.shardings)()
+        return jax.jit(lambda: _init_part(self.cfg, self.tx, self.index, self.layers, self.plan),
+                       out_shardings=self.shardings)()
 
     def init_from(self, path: str) -> state_lib.TrainState:
         """The island's part of saved weights (config.init_from: a one-island run's
@@ -242,26 +249,30 @@ class Island:
         _, whole = state_lib.abstract_state(self.cfg.model, self.cfg.seed, self.tx)
         shardings = state_lib.state_shardings(whole.params, self.mesh, self.rules)
         params = checkpoint.load_params(path, whole.params, shardings)
-        params = jax.jit(self._part, out_shardings=self.shardings.params)(params)
+        params = jax.jit(lambda p: _part_of(self.cfg, self.index, self.layers, self.plan, p),
+                         out_shardings=self.shardings.params)(params)
         return checkpoint.fresh_state(params, self.tx, self.shardings)
 
-    def _part(self, params):
-        if self.layers is not None:
-            return part(params, self.index, self.count, self.layers, self.cfg.model.tie_embeddings)
-        if self.plan is not None:
-            return to_stages(params, self.plan.layout)
-        return params
 
-    def _init(self):
-        _, params = nnx.split(state_lib.make_model(self.cfg.model, self.cfg.seed))
-        params = self._part(params)
-        return state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                                    opt_state=self.tx.init(params))
+def _part_of(cfg, k: int, layers: tuple[int, int] | None, plan: Plan | None, params):
+    """Island k's part of model-layout params, in its layout."""
+    if layers is not None:
+        return part(params, k, len(cfg.hetero.islands), layers, cfg.model.tie_embeddings)
+    if plan is not None:
+        return to_stages(params, plan.layout)
+    return params
+
+
+def _init_part(cfg, tx, k: int, layers, plan) -> state_lib.TrainState:
+    _, params = nnx.split(state_lib.make_model(cfg.model, cfg.seed))
+    params = _part_of(cfg, k, layers, plan, params)
+    return state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
 def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island:
     """Island k on `devices` (its mesh); `layers`: its range for pipeline placement.
-    Checks that its part splits over its mesh (ConfigError naming the field)."""
+    Checks that its part splits over its mesh (ConfigError naming the field) and fits
+    its devices (DoesNotFit), before anything is allocated."""
     spec = cfg.hetero.islands[k]
     geo = geometry(cfg, k)
     if len(devices) != math.prod(geo.shape):
@@ -269,48 +280,43 @@ def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island
                           f"devices but has {len(devices)}")
     mesh = make_mesh(geo, devices)
     icfg = island_config(cfg, k)
-    tx = optim.make_optimizer(icfg.optim, cfg.steps)
     rows = plan = None
     if layers is not None:
         rules = cfg.sharding.rules
         dims = {**cfg.model.dims(), "layers": ("hetero.island_layers", layers[1] - layers[0])}
         sharding.check_divisible(dims, rules, mesh)
+        tx = optim.make_optimizer(icfg.optim, cfg.steps)
         graphdef, _ = state_lib.abstract_state(cfg.model, cfg.seed, tx)
-        island = Island(cfg, k, geo, mesh, icfg, rules, tx, graphdef, None, None,
-                        step.batch_shardings(mesh, rules), layers=layers)
-        abstract = jax.eval_shape(island._init)
+        abstract = jax.eval_shape(lambda: _init_part(cfg, tx, k, layers, None))
+        batch_sh = program.batch_shardings(mesh, rules)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        # Placeholders (and their Adam moments) are replicated scalars.
+        shardings = jax.tree.map(lambda x, s: replicated if _placeholder(x) else s,
+                                 abstract, state_lib.state_shardings(abstract, mesh, rules))
     else:
         rows = placement.batch_shares(cfg)[k]
-        plan = pipeline.make_plan(icfg, mesh)
-        if plan is not None and plan.layout.padded:
+        prog = program.build(icfg, mesh)  # the one-mesh program, on the island's share of rows
+        if prog.plan is not None and prog.plan.layout.padded:
             raise ConfigError(
                 f"config.hetero.islands[{k}].mesh.pipeline={mesh.shape['pipeline']} with uneven "
                 f"config.pipeline.stage_layers: islands exchange gradients in the model's layout, so "
                 f"split the layers evenly inside an island")
-        rules = pipeline.rules(icfg, plan)
-        sharding.check_divisible(pipeline.dims(icfg, plan), rules, mesh)
-        graphdef, abstract = pipeline.abstract_state(icfg, tx, plan)
-        island = Island(cfg, k, geo, mesh, icfg, rules, tx, graphdef, None, None,
-                        step.batch_shardings(mesh, rules), rows=rows, plan=plan)
-    island.abstract = abstract
-    island.timeline = timeline_lib.Timeline(spec.name, k, 0 if cfg.hetero.virtual else jax.process_index(),
-                                            parse_window(cfg.profile_steps))
-    shardings = state_lib.state_shardings(abstract, mesh, island.rules)
-    if layers is not None:  # placeholders (and their Adam moments) are replicated scalars
-        shardings = jax.tree.map(lambda x, s: island.replicated() if _placeholder(x) else s,
-                                 abstract, shardings)
-    island.shardings = shardings
+        rules, tx, graphdef, plan = prog.rules, prog.tx, prog.graphdef, prog.plan
+        abstract, shardings, batch_sh = prog.state, prog.state_shardings, prog.batch_shardings
     # The island's part must fit its devices: say what it needs before allocating.
     real = [(p, v) for p, v in nnx.to_flat_state(abstract.params) if not _placeholder(v.get_value())]
-    layouts = sharding.param_layouts(nnx.from_flat_state(real), mesh, island.rules)
+    layouts = sharding.param_layouts(nnx.from_flat_state(real), mesh, rules)
     part_cfg = icfg if layers is None else dataclasses.replace(
         icfg, model=dataclasses.replace(cfg.model, num_layers=layers[1] - layers[0]))
-    island.memory = memory.estimate(part_cfg, layouts, mesh)
+    estimate = memory.estimate(part_cfg, layouts, mesh)
     try:
-        memory.check_fits(part_cfg, island.memory, mesh)
+        memory.check_fits(part_cfg, estimate, mesh)
     except memory.DoesNotFit as e:
         raise memory.DoesNotFit(f"island {spec.name} (config.hetero.islands[{k}]): {e}") from None
-    return island
+    timeline = timeline_lib.Timeline(spec.name, k, 0 if cfg.hetero.virtual else jax.process_index(),
+                                     parse_window(cfg.profile_steps))
+    return Island(cfg, k, geo, mesh, icfg, rules, tx, graphdef, abstract, shardings, batch_sh, estimate,
+                  timeline, layers=layers, rows=rows, plan=plan)
 
 
 def _placeholder(x) -> bool:

@@ -1,5 +1,5 @@
-"""A training job over islands, with the interface train.py's loop uses for any job:
-`state`, `start`, `batches`, `train_step`, `eval_sums`, `checkpoints`, `stop_requested`.
+"""A training job over islands: implements hetjax.job.Job, the contract train.py's loop
+drives, with a list of the local islands' states as its state.
 
 Virtual mode: every island lives in this process on its own slice of the local
 devices, each runs its part of a step in its own thread, and links use the
@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import threading
 import uuid
 from concurrent import futures
 from pathlib import Path
@@ -30,6 +31,7 @@ from hetjax import state as state_lib
 from hetjax.compile import backend
 from hetjax.errors import ConfigError, IslandLost, IslandsDiverged, IslandStartError, JobError, TransferError  # noqa: F401
 from hetjax.hetero import island as island_lib
+from hetjax.hetero.checkpoints import Checkpoints
 from hetjax.hetero import placement
 from hetjax.hetero import runtime
 from hetjax.hetero import scheduler
@@ -194,71 +196,11 @@ class Batches:
             it.close()
 
 
-class Checkpoints:
-    """One orbax manager per island (run_dir/checkpoints/<island>). A step counts only
-    when every island has it: restore picks the newest step all islands can read."""
-
-    def __init__(self, job: "Job"):
-        self.job = job
-        self.directory = checkpoint.default_dir(job.cfg)
-
-    def should_save(self, step: int) -> bool:
-        return self.job.workers[0].manager.should_save(step)
-
-    def save(self, step: int, states, data_state: dict, config: dict) -> None:
-        # One island after the other: orbax numbers a process's save operations in one
-        # global counter, and two saves started at once from two threads (virtual
-        # islands) mix up each other's temporary directories. The saves stay asynchronous.
-        for w, state in zip(self.job.workers, states):
-            w.manager.save(step, state, data_state, config)
-
-    def wait(self) -> None:
-        for w in self.job.workers:
-            w.manager.wait()
-
-    def steps(self) -> list[int]:
-        return sorted(set.intersection(*(set(w.manager.steps()) for w in self.job.workers)))
-
-    def close(self) -> None:
-        for w in self.job.workers:
-            w.manager.close()
-
-    def restore_latest(self, log=print):
-        """(states, step, data state) at the newest step every island (also the ones in
-        other processes) holds and can read, or None."""
-        job = self.job
-        while True:
-            held = {w.name: w.manager.steps() for w in job.workers}
-            common, everyone = job.agree_steps(sorted(self.steps()), any(held.values()))
-            if not common:
-                if everyone:
-                    raise checkpoint.CheckpointError(
-                        f"the islands hold checkpoints but no step in common ({held} here); a job "
-                        f"resumes all islands at one step, and starting again from step 0 would "
-                        f"overwrite them: keep them, and restore a common step or move them away")
-                return None
-            step = common[-1]
-            for w in job.workers:  # a newer step that not every island holds was never finished
-                for newer in [s for s in w.manager.steps() if s > step]:
-                    w.manager.move_aside(newer, log, why="unfinished (not every island saved it)")
-            try:
-                restored = [w.manager.restore(step, w.island.abstract, w.island.shardings)  # as save
-                            for w in job.workers]
-                ok = 1
-            except checkpoint.CorruptCheckpoint as e:
-                log(f"warning: {e}")
-                ok = 0
-            if job.all_ok(ok, f"restore{step}"):
-                return [r.state for r in restored], step, restored[0].data_state
-            for w in job.workers:  # someone could not read it: set it aside everywhere
-                if step in w.manager.steps():
-                    w.manager.move_aside(step, log)
-
-
-class Job:
-    """Every island of the job that lives in this process."""
+class IslandsJob:
+    """Every island of the job that lives in this process (a hetjax.job.Job)."""
 
     mesh = None  # islands have one each
+
     def __init__(self, cfg, dataset, settings=None, log=print):
         self.cfg, self.dataset, self.settings = cfg, dataset, settings
         h = cfg.hetero
@@ -287,12 +229,13 @@ class Job:
         for w in self.workers:
             log(w.island.describe())
         self.checkpoints = Checkpoints(self)
-        self.preempted: list = []
-        self.stop_requested = False
+        self._stop = threading.Event()  # this process's request (SIGTERM)
+        self.stop_requested = False  # every island's, agreed at the last step
         self.peak, self.peak_source = metrics_lib.peak_flops(cfg, [d for k in local for d in devices[k]])
-        restored = self.checkpoints.restore_latest(log)
+        restored = self.checkpoints.restore_latest([w.island.abstract for w in self.workers],
+                                                   [w.island.shardings for w in self.workers], log)
         if restored is not None:
-            self.state, self.start, data_state = restored
+            self.state, self.start, data_state = restored.state, restored.step, restored.data_state
             log(f"resumed every island from step {self.start} of {self.checkpoints.directory}")
         else:
             self.state, self.start, data_state = self._fresh(log), cfg.data.start_step, None
@@ -365,7 +308,7 @@ class Job:
 
     def train_step(self, states, batches):
         step = self.step_count
-        stop = bool(self.preempted)
+        stop = self._stop.is_set()
         if self.settings is not None and self.settings.num_processes > 1:
             # Every process of the island must stop at the same step (a save is collective).
             stop = bool(multihost_utils.process_allgather(np.int32(stop)).max())
@@ -378,6 +321,9 @@ class Job:
             values[f"{w.name}/transfer_time"] = sum(w.seconds[p] for p in timeline_lib.WAITS)
             values.update({f"{w.name}/{p}": w.seconds[p] for p in (*timeline_lib.PARTS, "host_copy", "loop")})
         return [o[0] for o in out], values
+
+    def request_stop(self) -> None:
+        self._stop.set()
 
     def eval_sums(self, states, i: int) -> dict:
         def run(w, state):

@@ -13,7 +13,9 @@ _CONFIG = '''"""{n} virtual islands over {base!r} (written by hetjax.hetero.layo
 
 import dataclasses
 
-from hetjax.config import HeteroConfig, IslandConfig, MeshConfig, load
+from hetjax.config import load
+from hetjax.hetero.config import HeteroConfig, IslandConfig
+from hetjax.mesh import MeshConfig
 
 
 def get_config():

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from hetjax import cli as cli_lib  # `cli` below is the console entry point
 from hetjax import config as config_lib
 from hetjax.errors import ConfigError
 from hetjax.hetero import job as hetero_job
@@ -94,8 +95,8 @@ def check_link(links: Links, j: int, mesh, mib: int, iters: int, say) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = config_lib.parse_command_line(sys.argv[1:] if argv is None else argv, flags=(),
-                                         options={"mib": "64", "iters": "3"})
+    args = cli_lib.parse_command_line(sys.argv[1:] if argv is None else argv, flags=(), doc=__doc__,
+                                      options={"mib": "64", "iters": "3"})
     sizes = {}
     for name, value in args.options.items():
         if not value.isdigit() or int(value) < 1:
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> int:
-    return config_lib.run_main(main, hetero_job.JobError)
+    return cli_lib.run_main(main, hetero_job.JobError)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hetjax.config import ConfigError, island_mesh_sizes
+from hetjax.errors import ConfigError
+from hetjax.hetero.config import island_mesh_sizes
 
 
 def proportional(total: int, weights, units=None, what: str = "") -> tuple[int, ...]:

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax import checkpoint, optim, pipeline, step
+from hetjax import optim, pipeline, program, step
+from hetjax.repro import digest
 from hetjax import state as state_lib
 from hetjax.compile import aot
 from hetjax.hetero import island as island_lib
@@ -34,7 +35,7 @@ class DataShare:
             grad_fn = pipeline.spmd.make_grad_fn(isl.graphdef, isl.mesh, isl.rules, isl.plan)
         P, B = aot.abstract(isl.abstract.params, params_sh), isl.abstract_batch()
         self.grads = isl.compile(grad_fn, P, B, out_shardings=(replicated, replicated, params_sh))
-        self.eval = isl.compile(pipeline.eval_step_fn(isl.icfg, isl.graphdef, isl.mesh, isl.plan), P, B,
+        self.eval = isl.compile(program.eval_step_fn(isl.icfg, isl.graphdef, isl.mesh, isl.plan), P, B,
                                 out_shardings=replicated)
         self.add = isl.compile(add_in_order, [P] * isl.count, out_shardings=params_sh)
         self.sumsq = isl.compile(sum_of_squares, P, out_shardings=replicated)
@@ -69,7 +70,7 @@ class DataShare:
         """Compares exact, layout-independent hashes of every parameter across islands;
         IslandsDiverged names the first leaf and islands that differ."""
         isl = self.island
-        hashes = checkpoint.leaf_hashes(params)
+        hashes = digest.leaf_checksums(params)
         names = sorted(hashes)
         words = np.array([[int(hashes[k][:8], 16), int(hashes[k][8:], 16)] for k in names], np.uint32)
         got = self.links.gather(words, what, isl.mesh)  # (islands, tensors, 2)
@@ -89,7 +90,7 @@ def param_specs(cfg, k: int):
     mesh = island_lib.geometry(cfg, k).abstract_mesh()
     icfg = island_lib.island_config(cfg, k)
     plan = pipeline.make_plan(icfg, mesh)
-    rules = pipeline.rules(icfg, plan)
-    _, abstract = pipeline.abstract_state(icfg, optim.make_optimizer(icfg.optim, cfg.steps), plan)
+    rules = program.rules(icfg, plan)
+    _, abstract = program.abstract_state(icfg, optim.make_optimizer(icfg.optim, cfg.steps), plan)
     shardings = state_lib.state_shardings(abstract, mesh, rules).params
     return island_lib.specs(shardings)

@@ -19,7 +19,9 @@ import math
 import os
 import socket
 
-from hetjax.config import Config, ConfigError, IslandConfig
+from hetjax.config import Config
+from hetjax.errors import ConfigError
+from hetjax.hetero.config import IslandConfig
 from hetjax.transfer.link import address, retry
 from hetjax.errors import IslandStartError  # noqa: F401 - raised here, caught by callers
 

@@ -29,7 +29,9 @@ import json
 import re
 from collections import Counter
 
-from hetjax.config import PLATFORMS, Config, ConfigError
+from hetjax.config import Config
+from hetjax.errors import ConfigError
+from hetjax.hetero.config import PLATFORMS
 from hetjax.hetero import runtime
 from hetjax.transfer.link import address
 

@@ -3,22 +3,17 @@
 schedule.py  the schedules as data (which micro-batch each stage runs, per tick)
 stages.py    the stage layout and one stage's forward / backward
 spmd.py      the single-program pipeline: shard_map over `pipeline`, ppermute
-setup.py     what the training program calls (state, steps) for any mesh
 __main__.py  `python -m hetjax.pipeline --stages 4 --microbatches 8`: a timeline
 """
 
 from hetjax.pipeline.schedule import KINDS, Schedule, forward_only, make_schedule, plot, timeline
-from hetjax.pipeline.setup import (abstract_state, build, compile_eval_step, compile_train_step,
-                                   create_state, dims, eval_step_fn, rules, train_step_fn)
 from hetjax.pipeline.spmd import (Plan, make_eval_step, make_grad_fn, make_plan, make_train_step,
                                   sharding_rules)
 from hetjax.pipeline.stages import (StageLayout, from_stages, make_layout, stage_backward,
                                     stage_forward, stage_params, to_stages)
 
 __all__ = [
-    "KINDS", "Schedule", "forward_only", "make_schedule", "plot", "timeline", "abstract_state",
-    "build", "compile_eval_step", "compile_train_step", "create_state", "dims", "eval_step_fn",
-    "rules", "train_step_fn", "Plan", "make_eval_step", "make_grad_fn", "make_plan",
-    "make_train_step", "sharding_rules", "StageLayout", "from_stages", "make_layout",
+    "KINDS", "Schedule", "forward_only", "make_schedule", "plot", "timeline", "Plan", "make_eval_step",
+    "make_grad_fn", "make_plan", "make_train_step", "sharding_rules", "StageLayout", "from_stages", "make_layout",
     "stage_backward", "stage_forward", "stage_params", "to_stages"
 ]

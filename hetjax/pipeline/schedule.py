@@ -30,7 +30,7 @@ import dataclasses
 
 import numpy as np
 
-from hetjax.config import PIPELINE_SCHEDULES as KINDS
+from hetjax.pipeline.config import PIPELINE_SCHEDULES as KINDS
 from hetjax.errors import ConfigError
 
 

@@ -27,8 +27,7 @@ from flax import nnx
 from hetjax.errors import ConfigError
 from hetjax.sharding import constrain
 from hetjax.step import loss_sums_of_logits
-
-BLOCKS = "blocks"  # the Decoder's stacked layers
+from hetjax.models.llama import BLOCKS  # noqa: F401 - the stacked layers' name, re-exported for stage code
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from hetjax import cli
 from hetjax import config as config_lib
 from hetjax.repro import check as check_lib
 from hetjax.repro import compare as compare_lib
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 path = compare_lib.plot(args.run_a, args.run_b, args.plot or Path(args.run_b) / "compare.png")
                 print(f"plot: {path}")
             return report.code
-        overrides = config_lib.parse_command_line(["--config", args.config, *rest], flags=()).overrides
+        overrides = cli.parse_command_line(["--config", args.config, *rest], flags=()).overrides
         if args.command == "init":
             print(f"initial weights saved in {platforms_lib.save_initial(args.config, overrides, args.out)}")
             return 0

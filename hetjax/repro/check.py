@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 from hetjax import config as config_lib
-from hetjax.config import MESH_AXES, ConfigError
+from hetjax.errors import ConfigError
+from hetjax.mesh import MESH_AXES
 from hetjax.repro import compare as compare_lib
 
 ROOT = Path(__file__).resolve().parent.parent.parent

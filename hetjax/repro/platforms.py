@@ -34,16 +34,15 @@ VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}
 def save_initial(config: str, overrides: dict, out: str | Path) -> Path:
     """Initialises `config`'s parameters on this process's devices (one mesh axis over
     all of them, no pipeline) and saves them as checkpoint 0 in out/checkpoints."""
-    from hetjax import checkpoint, data, pipeline
-    from hetjax.compile import aot, backend
+    from hetjax import checkpoint, data, program
+    from hetjax.compile import backend
     from hetjax.mesh import make_mesh
     cfg = config_lib.load(config, {**overrides, "mesh.pipeline": "1", "mesh.data": "1", "mesh.tensor": "1",
                                    "mesh.fsdp": "-1", "run_dir": str(out)})
     config_lib.validate(cfg)
     backend.start(cfg)
     mesh = make_mesh(cfg.mesh)
-    prog = aot.program(cfg, mesh)
-    state = pipeline.create_state(cfg, prog.tx, prog.state_shardings, prog.plan)
+    state = program.build(cfg, mesh).init_state()
     ckpt = checkpoint.Manager(checkpoint.default_dir(cfg), cfg.checkpoint)
     ckpt.save(0, state, {"step": 0, "fingerprint": data.build(cfg).fingerprint}, config_lib.to_dict(cfg))
     ckpt.wait()

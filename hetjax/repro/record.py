@@ -26,7 +26,7 @@ import jax
 
 from hetjax import metrics
 from hetjax.config import to_dict
-from hetjax.repro import fingerprint as fp
+from hetjax.repro import digest as fp
 
 FILE = "fingerprints.jsonl"
 

@@ -1,5 +1,7 @@
 """The transfer API: an Endpoint per process and link; asynchronous send and recv.
 
+Each backend subclasses Endpoint; open_endpoint (in hetjax.transfer) picks one.
+
     ep = open_endpoint(LinkConfig(backend="host"))       # one per process and link
     h = ep.send(tree, tag="act/3", dst=dst_layouts, peers={0: ("10.0.0.2:4711",)})
     ...                                                  # overlap with compute
@@ -22,7 +24,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from hetjax.errors import ConfigError
 from hetjax.transfer import core
 from hetjax.transfer.link import LinkConfig, TransferError
 from hetjax.transfer.plan import Layout
@@ -101,17 +102,3 @@ def check_leaf(tag: str, i: int, got_shape, got_dtype, aval) -> None:
         raise TransferError(
             f"recv {tag!r}: leaf {i} arrived as {np.dtype(got_dtype).name}{list(got_shape)} but the receiver "
             f"expects {np.dtype(aval.dtype).name}{list(aval.shape)}; both islands must agree on the tree")
-
-
-def open_endpoint(cfg: LinkConfig, process_index: int | None = None) -> Endpoint:
-    """Starts this process's end of a link with the backend `cfg.backend`."""
-    if not isinstance(cfg, LinkConfig):
-        raise ConfigError(f"open_endpoint: expected a LinkConfig, got {type(cfg).__name__}")
-    if cfg.backend == "local":
-        from hetjax.transfer.local import LocalEndpoint
-        return LocalEndpoint(cfg, process_index)
-    if cfg.backend == "host":
-        from hetjax.transfer.host import HostEndpoint
-        return HostEndpoint(cfg, process_index)
-    from hetjax.transfer.direct import DirectEndpoint
-    return DirectEndpoint(cfg, process_index)

@@ -13,138 +13,34 @@ endpoint, which starts copying its next chunk off the device while it sends the
 current one; a message smaller than a MiB takes one stream (its chunks, END, ACK). A
 small message whose arrays are ready goes out on the caller's thread when its stream is
 idle, which saves a thread hop (its ACK is still read by the stream's thread).
+This module is the endpoint and its receiving side; the frames and the handshake are in
+wire.py, the sending streams in stream.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import itertools
-import json
 import logging
-import os
-import queue
 import socket
-import struct
 import threading
 import time
-import typing
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import xxhash
 
-from hetjax.transfer import core, link
+from hetjax.transfer import core, link, wire
 from hetjax.transfer.api import Endpoint, check_leaf
-from hetjax.transfer.link import TransferError, TransferTimeout
+from hetjax.transfer.link import TransferError
 from hetjax.transfer.plan import extent, split, volume
-from hetjax.errors import PeerLost  # noqa: F401 - raised here, caught by callers
+from hetjax.transfer.stream import Job, Stream
 
 log = logging.getLogger("hetjax.transfer")
 
-_FRAME = struct.Struct("<4sBI")  # magic, kind, length of the JSON header that follows
-_MAGIC = b"HJX1"
-_CHUNK, _END, _ACK, _BATCH = 1, 2, 3, 4  # _BATCH: a whole small message; an END is implied
-_CHECKSUM = {"xxh3": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32, "adler32": zlib.adler32}
+_STREAM_BYTES = 1 << 20  # a message uses another stream for every MiB it holds, up to LinkConfig.streams
 # How long close() waits for the END frames of messages that already arrived: they follow
 # their last chunk at once, so this is only reached when a sender died mid-message.
 CLOSE_GRACE_S = 5.0
-_SMALL = 64 << 10  # a chunk (or a whole message) this small goes out with its header(s) in one write
-_STREAM_BYTES = 1 << 20  # a message uses another stream for every MiB it holds, up to LinkConfig.streams
-_counted = threading.Lock()  # guards Handle.wire_bytes across stream threads
-
-
-def _mac(secret: bytes, role: bytes, nonce: bytes) -> bytes:
-    return hmac.new(secret, role + nonce, hashlib.sha256).digest()
-
-
-def _recv_into(sock, view: memoryview, peer: str) -> None:
-    while len(view):
-        try:
-            n = sock.recv_into(view)
-        except socket.timeout:
-            raise TransferTimeout(f"peer {peer} stopped answering mid-message (LinkConfig.timeout_s)") from None
-        except OSError as e:
-            raise PeerLost(f"peer {peer}: connection lost ({e})") from None
-        if n == 0:
-            raise PeerLost(f"peer {peer} closed the connection mid-message")
-        view = view[n:]
-
-
-def _recv_exact(sock, n: int, peer: str) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf), peer)
-    return bytes(buf)
-
-
-def _sendall(sock, data, peer: str) -> None:
-    try:
-        sock.sendall(data)
-    except socket.timeout:
-        raise TransferTimeout(f"peer {peer} stopped reading (LinkConfig.timeout_s)") from None
-    except OSError as e:
-        raise PeerLost(f"peer {peer}: connection lost ({e})") from None
-
-
-def _frame(kind: int, meta: dict) -> bytes:
-    head = json.dumps(meta).encode()
-    return _FRAME.pack(_MAGIC, kind, len(head)) + head
-
-
-def _send_frame(sock, kind: int, meta: dict, peer: str) -> None:
-    _sendall(sock, _frame(kind, meta), peer)
-
-
-def _read_frame(sock, peer: str, idle_ok: bool, timeout_s: float) -> tuple[int, dict]:
-    if idle_ok:  # a persistent connection may sit idle between transfers
-        sock.settimeout(None)
-        first = sock.recv(1)
-        if not first:
-            raise EOFError
-        sock.settimeout(timeout_s)
-        raw = first + _recv_exact(sock, _FRAME.size - 1, peer)
-    else:
-        raw = _recv_exact(sock, _FRAME.size, peer)
-    magic, kind, n = _FRAME.unpack(raw)
-    if magic != _MAGIC or n > 1 << 20:
-        raise TransferError(f"peer {peer} sent a frame that is not a hetjax transfer frame")
-    return kind, json.loads(_recv_exact(sock, n, peer))
-
-
-def authenticate(conn, secret: bytes, peer: str) -> bool:
-    """The accepting side of the handshake: True once the peer proved the job's secret
-    (and got our proof back); False, logged, when it did not."""
-    nonce = os.urandom(32)
-    conn.sendall(nonce)
-    answer = _recv_exact(conn, 64, peer)
-    if not hmac.compare_digest(answer[32:], _mac(secret, b"client", nonce)):
-        log.warning("transfer: refused a connection from %s: it did not prove the job's shared secret", peer)
-        return False
-    conn.sendall(_mac(secret, b"server", answer[:32]))
-    return True
-
-
-def connect(address: str, secret: bytes, timeout_s: float) -> socket.socket:
-    """A connection to `address` ("host:port") on which both sides proved the job's
-    secret; retries while the peer starts, TransferTimeout after timeout_s."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    sock = link.retry(lambda: socket.create_connection((host, int(port)), timeout=timeout_s),  # it may be starting
-                      timeout_s, 0.05, lambda e: TransferTimeout(f"peer {address} did not accept a connection "
-                                                                 f"within {timeout_s:g} s ({e})"))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    nonce = os.urandom(32)
-    challenge = _recv_exact(sock, 32, address)
-    sock.sendall(nonce + _mac(secret, b"client", challenge))
-    try:
-        proof = _recv_exact(sock, 32, address)
-    except PeerLost:
-        raise TransferError(f"peer {address} refused the connection: the shared secrets differ") from None
-    if not hmac.compare_digest(proof, _mac(secret, b"server", nonce)):
-        raise TransferError(f"peer {address} did not prove the job's shared secret; not sending to it")
-    return sock
 
 
 class _Inbox:
@@ -185,7 +81,7 @@ class _Inbox:
         group = plan.groups[gi]
         parts = [(p, self.buffers[i, k]) for k, p in enumerate(plan.pieces) if (i, k) in self.buffers and p.group == gi]
         block = core.block_from_host_pieces(group, parts, self.expect.avals[i].dtype)
-        if block.nbytes > _SMALL:
+        if block.nbytes > wire.SMALL:
             block = jax.device_put(block, self.expect.avals[i].sharding.mesh.devices.flat[group.receiver])
             self.endpoint.copied(self.tag, t)
         with self.lock:
@@ -213,11 +109,11 @@ class HostEndpoint(Endpoint):
     def __init__(self, cfg, process_index=None):
         super().__init__(cfg, process_index)
         self._secret = cfg.secret()
-        self._checksum = _CHECKSUM[cfg.checksum]
+        self.checksum = wire.CHECKSUM_FUNCTIONS[cfg.checksum]
         self._inboxes: dict[str, _Inbox] = {}
         self.buffers = core.BufferPool()  # where received pieces land
         self._posted = threading.Condition()
-        self._pipes: dict[tuple, list[_Stream]] = {}
+        self._pipes: dict[tuple, list[Stream]] = {}
         self._pipes_lock = threading.Lock()
         self._turn = itertools.count()  # the stream a message starts on, round robin
         self._conns: list[socket.socket] = []
@@ -285,24 +181,24 @@ class HostEndpoint(Endpoint):
         self._conns.append(conn)
         inbox, busy = None, False
         try:
-            if not authenticate(conn, self._secret, peer):
+            if not wire.authenticate(conn, self._secret, peer):
                 self.refused += 1
                 return
             while True:
                 try:
-                    kind, meta = _read_frame(conn, peer, idle_ok=True, timeout_s=self.cfg.timeout_s)
+                    kind, meta = wire.read_frame(conn, peer, idle_ok=True, timeout_s=self.cfg.timeout_s)
                 except EOFError:
                     return
-                if kind == _END:  # every chunk before it on this stream was verified
-                    _send_frame(conn, _ACK, {"tag": meta.get("tag")}, peer)
+                if kind == wire.END:  # every chunk before it on this stream was verified
+                    wire.send_frame(conn, wire.ACK, {"tag": meta.get("tag")}, peer)
                     busy = busy and self._settle(-1)
                     continue
                 busy = busy or self._settle(+1)
                 inbox = self._inbox(meta.get("tag"), peer)
-                if kind == _BATCH:  # the chunks' headers, then their payloads in that order
+                if kind == wire.BATCH:  # the chunks' headers, then their payloads in that order
                     for chunk in meta["chunks"]:
                         self._chunk(conn, peer, inbox, chunk)
-                    _send_frame(conn, _ACK, {"tag": meta.get("tag")}, peer)
+                    wire.send_frame(conn, wire.ACK, {"tag": meta.get("tag")}, peer)
                     busy = busy and self._settle(-1)
                 else:
                     self._chunk(conn, peer, inbox, meta)
@@ -354,8 +250,8 @@ class HostEndpoint(Endpoint):
             raise TransferError(f"recv {tag!r}: peer {peer} sent bytes {offset}..{offset + n} of a {buf.size}-byte piece")
         view = memoryview(buf)[offset:offset + n]
         inbox.handle.arriving()
-        _recv_into(conn, view, peer)
-        if self._checksum(view) != meta["sum"]:
+        wire.recv_into(conn, view, peer)
+        if self.checksum(view) != meta["sum"]:
             raise TransferError(f"recv {tag!r}: a chunk from peer {peer} (leaf {i}, piece {j}, bytes "
                                 f"{offset}..{offset + n}) failed its {self.cfg.checksum} check: the data was corrupted")
         inbox.activity.touch()
@@ -401,18 +297,19 @@ class HostEndpoint(Endpoint):
                     handle.future.set_result(None)
 
         for stream, chunks in jobs:
-            small = sum(volume(sub) * np.dtype(leaves[i].dtype).itemsize for i, _, _, sub, _ in chunks) <= _SMALL
-            stream.put(_Job(tag, leaves, plans, chunks, handle, finished, {}, small))
+            small = sum(volume(sub) * np.dtype(leaves[i].dtype).itemsize for i, _, _, sub, _ in chunks) <= wire.SMALL
+            stream.put(Job(tag, leaves, plans, chunks, handle, finished, {}, small))
         return handle
 
-    def _connect(self, address: str) -> socket.socket:
-        return connect(address, self._secret, self.cfg.timeout_s)
+    def connect(self, address: str) -> socket.socket:
+        """A new authenticated connection to a peer's `address` (a stream's, on its first use)."""
+        return wire.connect(address, self._secret, self.cfg.timeout_s)
 
-    def _streams(self, addresses: tuple[str, ...]) -> list["_Stream"]:
+    def _streams(self, addresses: tuple[str, ...]) -> list["Stream"]:
         """The streams to one destination process, started on first use."""
         with self._pipes_lock:
             if addresses not in self._pipes:
-                self._pipes[addresses] = [_Stream(self, addresses[k % len(addresses)]) for k in range(self.cfg.streams)]
+                self._pipes[addresses] = [Stream(self, addresses[k % len(addresses)]) for k in range(self.cfg.streams)]
             return self._pipes[addresses]
 
     def close(self):
@@ -432,153 +329,3 @@ class HostEndpoint(Endpoint):
                     stream.close()
         with self._posted:
             self._posted.notify_all()
-
-
-class _Job(typing.NamedTuple):
-    """Part of one message for one stream: its chunks, and whom to tell when they are in."""
-
-    tag: str
-    leaves: list
-    plans: list
-    chunks: list  # (leaf, piece index, piece, sub-region, byte offset in the piece)
-    handle: core.Handle
-    finished: typing.Callable  # finished(None) once acknowledged, finished(error) on failure
-    shards: dict  # (leaf, source position) -> the shard as a numpy array (CPU), made once
-    small: bool  # at most _SMALL bytes: one _BATCH frame
-
-
-class _Stream:
-    """One TCP connection to a destination process, with its own thread that sends the
-    jobs put to it in order: each job's chunks, then END, then it waits for the ACK
-    (the receiver has verified every chunk). It connects on first use, and again after
-    a failure."""
-
-    def __init__(self, endpoint: HostEndpoint, address: str):
-        self.endpoint, self.address = endpoint, address
-        self.sock: socket.socket | None = None
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # (job, already written)
-        self.closed, self.lock = False, threading.Lock()
-        self.queued = 0  # jobs put and not yet finished by the thread; 0: it leaves the socket alone
-        threading.Thread(target=self._run, daemon=True, name=f"hetjax-send-{address}").start()
-
-    def put(self, job: _Job) -> None:
-        with self.lock:  # never behind close()'s None, where no thread would take it
-            if self.closed:
-                error = TransferError(f"send {job.tag!r}: the endpoint is closed")
-            else:
-                self.queued += 1
-                # Idle, connected, and a small message that is ready: written here (the
-                # lock keeps later puts behind it), acknowledged on the thread.
-                written = (self.queued == 1 and self.sock is not None and job.small
-                           and all(job.leaves[i].is_ready() for i in {c[0] for c in job.chunks}))
-                try:
-                    if written:
-                        self._write(job)
-                except BaseException as e:  # noqa: BLE001 - handed to the message's handle
-                    self.sock.close()
-                    self.sock, self.queued, error = None, self.queued - 1, e
-                else:
-                    self.jobs.put((job, written))
-                    return
-        job.finished(error)
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            self.jobs.put(None)
-        if self.sock is not None:
-            self.sock.close()
-
-    def _run(self) -> None:
-        while (item := self.jobs.get()) is not None:
-            job, written = item
-            error = None
-            try:
-                if self.closed:
-                    raise TransferError(f"send {job.tag!r}: the endpoint is closed")
-                if not written:
-                    if self.sock is None:
-                        self.sock = self.endpoint._connect(self.address)
-                    self._write(job)
-                self._acknowledged(job)
-            except BaseException as e:  # noqa: BLE001 - handed to the message's handle
-                if self.sock is not None:
-                    self.sock.close()
-                    self.sock = None  # reconnect for the next job
-                error = e
-            with self.lock:
-                self.queued -= 1
-            job.finished(error)
-
-    def _write(self, job: _Job) -> None:
-        """Puts the job's chunks and its END on the wire (one _BATCH frame when small)."""
-        if job.small:
-            payloads, metas = [], []
-            for k, (i, j, piece, sub, offset) in enumerate(job.chunks):
-                payload = _payload(_host_chunk(job, k, self.endpoint))
-                payloads.append(payload)
-                metas.append(_chunk_meta(job, i, j, piece, offset, payload, self.endpoint))
-            _sendall(self.sock, b"".join([_frame(_BATCH, {"tag": job.tag, "chunks": metas}), *payloads]), self.address)
-            with _counted:
-                job.handle.wire_bytes += sum(map(len, payloads))
-            return
-        ep, sock, address, tag = self.endpoint, self.sock, self.address, job.tag
-        copy = _host_chunk(job, 0, ep)  # the next chunk's copy to the host runs while this one is sent
-        pending = []  # small chunks wait here and go out together, in as few packets as they fit
-        for k, (i, j, piece, sub, offset) in enumerate(job.chunks):
-            data, copy = copy, (_host_chunk(job, k + 1, ep) if k + 1 < len(job.chunks) else None)
-            payload = _payload(data)
-            frame = {"tag": tag, **_chunk_meta(job, i, j, piece, offset, payload, ep)}
-            if payload.nbytes <= _SMALL and sum(map(len, pending)) <= _SMALL:
-                pending += [_frame(_CHUNK, frame), payload.tobytes()]
-            else:
-                _sendall(sock, b"".join(pending) + _frame(_CHUNK, frame), address)
-                _sendall(sock, payload, address)
-                pending = []
-            with _counted:
-                job.handle.wire_bytes += payload.nbytes
-        # With TCP_NODELAY every write is a packet and a wake-up of the receiver: the last
-        # small chunks and END go in one.
-        _sendall(sock, b"".join(pending) + _frame(_END, {"tag": tag}), address)
-
-    def _acknowledged(self, job: _Job) -> None:
-        """Waits for the receiver's ACK: it verified every chunk of the job."""
-        try:
-            kind, meta = _read_frame(self.sock, self.address, idle_ok=False, timeout_s=self.endpoint.cfg.timeout_s)
-        except PeerLost:
-            raise TransferError(f"send {job.tag!r}: peer {self.address} closed the stream instead of acknowledging; "
-                                f"see its log (wrong tag, shape, dtype or a failed checksum)") from None
-        assert kind == _ACK and meta["tag"] == job.tag, (kind, meta)
-
-
-def _payload(data) -> memoryview:
-    return memoryview(np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8))
-
-
-def _chunk_meta(job: _Job, i: int, j: int, piece, offset: int, payload: memoryview, endpoint) -> dict:
-    x = job.leaves[i]
-    return {"leaf": i, "piece": j, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
-            "region": [list(r) for r in piece.region], "offset": offset, "n": payload.nbytes,
-            "sum": endpoint._checksum(payload)}
-
-
-def _host_chunk(job: _Job, k: int, endpoint: HostEndpoint):
-    """Chunk k of a job as host memory: a view on CPU (no copy when contiguous; each
-    shard is made a numpy array once per job, not once per chunk); elsewhere a
-    device-side slice whose copy to the host starts now (it is read later)."""
-    i, _, piece, sub, _ = job.chunks[k]
-    x, plan = job.leaves[i], job.plans[i]
-    within = plan.src_regions[piece.src]
-    index = core.local_slices(sub, within)
-    if (i, piece.src) in job.shards:
-        return job.shards[i, piece.src][index]
-    data = core.shard_on(x, piece.src)
-    if next(iter(data.devices())).platform == "cpu":
-        data.block_until_ready()  # the producing program's time is not a copy's
-        t = time.perf_counter()
-        job.shards[i, piece.src] = host = np.asarray(data)
-        endpoint.copied(job.tag, t)
-        return host[index]
-    part = core.as_bits(data)[index]
-    part.copy_to_host_async()
-    return part

@@ -1,15 +1,79 @@
-"""How one link between islands is carried: its config (LinkConfig lives with the other
-config sections in hetjax.config), addresses and errors."""
+"""How one link between islands is carried: its config (LinkConfig, composed into
+config.hetero by hetjax.config), addresses and errors."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
+from pathlib import Path
 
-from hetjax.config import BACKENDS, CHECKSUMS, LinkConfig
+from hetjax.errors import ConfigError
 from hetjax.errors import TransferError, TransferTimeout  # noqa: F401 - raised here, caught by callers
 
 __all__ = ["BACKENDS", "CHECKSUMS", "LinkConfig", "TransferError", "TransferTimeout", "address"]
 
+BACKENDS = ("local", "host", "direct")  # transfer backends (hetjax/transfer)
+CHECKSUMS = ("xxh3", "crc32", "adler32")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkConfig:
+    """One link between two islands (both ends use equal configs)."""
+
+    backend: str = "host"  # local | host | direct
+    streams: int = 2  # parallel TCP streams per pair of processes (host)
+    # This process's NIC addresses: the endpoint listens on each, and stream i of a
+    # peer goes to the peer's address i % len. Empty: bind_address only.
+    nic_addresses: tuple = ()
+    bind_address: str = "127.0.0.1"  # loopback by default: say so to open a link
+    port: int = 0  # 0: any free port (the endpoint reports its addresses)
+    secret_env: str = "HETJAX_TRANSFER_SECRET"  # the job's shared secret, from this variable...
+    secret_file: str = ""  # ...or from this file when set
+    timeout_s: float = 60.0  # host: a peer silent this long; direct: a whole pull; TransferTimeout
+    chunk_bytes: int = 8 << 20  # unit of checksums and of copy/transfer overlap
+    checksum: str = "xxh3"  # xxh3 (64-bit, ~80 GiB/s here) | crc32 (~7) | adler32 (~4), per chunk
+
+    def validate(self, prefix: str = "link") -> None:
+        """Raises ConfigError naming the field, the value and the fix."""
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"{prefix}.backend={self.backend!r}: choose one of {BACKENDS}")
+        if self.checksum not in CHECKSUMS:
+            raise ConfigError(f"{prefix}.checksum={self.checksum!r}: choose one of {CHECKSUMS}")
+        if not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
+            raise ConfigError(f"{prefix}.streams={self.streams!r}: use 1 to 64 parallel TCP streams")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"{prefix}.timeout_s={self.timeout_s!r}: must be positive (seconds)")
+        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 4096:
+            raise ConfigError(f"{prefix}.chunk_bytes={self.chunk_bytes!r}: use at least 4096 (e.g. 8 << 20)")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"{prefix}.port={self.port}: use 0 (any free port) or 1..65535")
+        if not isinstance(self.nic_addresses, tuple) or not all(isinstance(a, str) and a for a in self.nic_addresses):
+            raise ConfigError(f"{prefix}.nic_addresses={self.nic_addresses!r}: a tuple of IP addresses, e.g. ('10.0.0.1', '10.0.1.1')")
+        if not self.bind_address:
+            raise ConfigError(f"{prefix}.bind_address is empty: give an IP address, e.g. '127.0.0.1'")
+
+    @property
+    def listen_addresses(self) -> tuple[str, ...]:
+        """The addresses this end listens on."""
+        return self.nic_addresses or (self.bind_address,)
+
+    def secret(self, prefix: str = "link") -> bytes:
+        """The job's shared secret; an empty or missing one is a ConfigError."""
+        if self.secret_file:
+            path = Path(self.secret_file)
+            if not path.is_file():
+                raise ConfigError(f"{prefix}.secret_file={self.secret_file!r}: no such file")
+            value = path.read_bytes().strip()
+            where = f"{prefix}.secret_file={self.secret_file!r}"
+        else:
+            value = os.environ.get(self.secret_env, "").encode()
+            where = f"environment variable {self.secret_env} ({prefix}.secret_env)"
+        if len(value) < 16:
+            raise ConfigError(
+                f"{where} holds no shared secret of at least 16 bytes; every process of the job "
+                f"needs the same one, e.g. export {self.secret_env}=$(openssl rand -hex 32)")
+        return value
 
 
 def address(host: str, port: int) -> str:

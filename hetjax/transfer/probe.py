@@ -31,10 +31,10 @@ import threading
 import time
 
 from hetjax.errors import ConfigError
-from hetjax.transfer import host, link
+from hetjax.transfer import link, wire
 from hetjax.transfer.link import TransferError, TransferTimeout
 
-_CONTROL = 9  # frame kind of control messages (host's frames, a kind of its own)
+_CONTROL = 9  # frame kind of control messages (the host backend's frames, a kind of its own)
 
 
 class Control:
@@ -46,11 +46,11 @@ class Control:
         self.sock, self.peer, self.timeout_s = sock, peer, timeout_s
 
     def send(self, **msg) -> None:
-        host._send_frame(self.sock, _CONTROL, msg, self.peer)
+        wire.send_frame(self.sock, _CONTROL, msg, self.peer)
 
     def recv(self) -> dict:
         try:
-            kind, msg = host._read_frame(self.sock, self.peer, idle_ok=False, timeout_s=self.timeout_s)
+            kind, msg = wire.read_frame(self.sock, self.peer, idle_ok=False, timeout_s=self.timeout_s)
         except TransferTimeout as e:
             raise TransferTimeout(f"probe: {self.peer} sent nothing for {self.timeout_s:g} s (--timeout): {e}") from None
         if kind != _CONTROL:
@@ -100,7 +100,7 @@ def serve(args) -> None:
         peer = link.address(addr[0], addr[1])
         conn.settimeout(args.timeout)
         try:
-            if host.authenticate(conn, secret, peer):
+            if wire.authenticate(conn, secret, peer):
                 break
         except (TransferError, OSError) as e:
             print(f"hetjax probe: dropped {peer}: {e}", file=sys.stderr, flush=True)
@@ -133,7 +133,7 @@ def _send_backend(ctl: Control, msg: dict, params: dict, args) -> None:
         secret, socks = _link(args, "host", streams).secret(), []
         while "go" in (msg := ctl.recv()):
             if not socks:  # here, not earlier: the peer accepts once it has sent "go"
-                socks = [host.connect(peer_addresses[0], secret, args.timeout) for _ in range(streams)]
+                socks = [wire.connect(peer_addresses[0], secret, args.timeout) for _ in range(streams)]
             parts = np.array_split(payload[msg["go"]], len(socks))
             threads = [threading.Thread(target=s.sendall, args=(memoryview(p),)) for s, p in zip(socks, parts)]
             [t.start() for t in threads]
@@ -160,11 +160,11 @@ def _raw_receive(listener, streams, buf, conns, secret, timeout_s):
     while len(conns) < streams:
         conn, addr = listener.accept()
         conn.settimeout(timeout_s)
-        if not host.authenticate(conn, secret, link.address(*addr[:2])):
+        if not wire.authenticate(conn, secret, link.address(*addr[:2])):
             raise TransferError(f"probe: raw stream from {link.address(*addr[:2])} did not prove the job's secret")
         conns.append(conn)
     parts = np.array_split(buf, streams)
-    threads = [threading.Thread(target=host._recv_into, args=(c, memoryview(p), f"raw stream {i} of the server"))
+    threads = [threading.Thread(target=wire.recv_into, args=(c, memoryview(p), f"raw stream {i} of the server"))
                for i, (c, p) in enumerate(zip(conns, parts))]
     [t.start() for t in threads]
     [t.join() for t in threads]
@@ -232,7 +232,7 @@ def measure(ctl: Control, backend: str, args, n_src: int) -> dict:
 def probe(address: str, args) -> list[dict]:
     """Connects to the server at `address` and measures each of args.backends."""
     secret = _link(args, "host", 1).secret()
-    ctl = Control(host.connect(address, secret, args.timeout), address, args.timeout)
+    ctl = Control(wire.connect(address, secret, args.timeout), address, args.timeout)
     try:
         import jax
         n_dst = min(args.dst_devices, len(jax.devices()))

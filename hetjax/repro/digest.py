@@ -1,6 +1,15 @@
-"""Exact digests of a step's batch and of the parameters, whatever the layout.
+"""All of hetjax's hashing: exact, layout-independent digests of arrays.
 
-Both digests are sums mod 2**64 of one 64-bit value per part, so they do not depend
+The bits are hashed on the devices (`leaf_words`: two 32-bit wrapping sums per leaf
+or row), so only a few words per tensor or row reach the host. Two things are built
+from them, under distinct names:
+
+  checksum     `leaf_checksums` / `params_checksum`: what a checkpoint saves and
+               verifies (hetjax.checkpoint); one sha256 over every leaf.
+  fingerprint  the reproducibility digests below, written to fingerprints.jsonl
+               and compared across runs (hetjax.repro).
+
+Both fingerprints are sums mod 2**64 of one 64-bit value per part, so they do not depend
 on the mesh, the sharding, the number of processes or the order of reduction, and
 digests of disjoint parts add up to the digest of the whole:
 
@@ -12,9 +21,6 @@ digests of disjoint parts add up to the digest of the whole:
              shape, the dtype and the exact bits. Pipeline islands that each hold a
              contiguous range of layers call `param_fingerprint(their_params,
              layer_offset=first_layer)` and add the results (`a + b`).
-
-The bits are hashed on the devices (two 32-bit wrapping sums per part, see
-hetjax.checkpoint), so only a few words per tensor or row reach the host.
 """
 
 from __future__ import annotations
@@ -28,10 +34,83 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetjax.checkpoint import _leaf_hash, _path
 from hetjax.pipeline.stages import BLOCKS, StageLayout, from_stages
 
 MASK = 2**64 - 1
+
+
+# ---------------------------------------------------------------------------
+# Leaf words and the checkpoint checksum: exact, layout-independent hashes computed
+# where the arrays live.
+
+
+def mix32(x):
+    # murmur3's finaliser: every input bit flips about half the output bits.
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def leaf_words(x: jax.Array) -> jax.Array:
+    """Two uint32 words over the bits and positions of x. Sums of uint32 wrap, so
+    the result is exact whatever the sharding or reduction order."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    width = x.dtype.itemsize
+    if width == 8:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)  # (..., 2)
+    else:
+        bits = jax.lax.bitcast_convert_type(x, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[width])
+        bits = bits.astype(jnp.uint32)
+    index = jnp.zeros(bits.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(bits.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= bits.shape[axis]
+    words = [jnp.sum(mix32(bits ^ mix32(index * jnp.uint32(2) + jnp.uint32(salt))), dtype=jnp.uint32)
+             for salt in (1, 0x9E3779B9)]
+    return jnp.stack(words)
+
+
+@jax.jit
+def _tree_hashes(tree):
+    return jax.tree.map(leaf_words, tree)
+
+
+def path_name(keypath) -> str:
+    """'blocks/attn/q_DNH' for a key path (an nnx.Variable's `value` level left out)."""
+    parts = []
+    for k in keypath:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        if name != "value":  # nnx.Variable's single child
+            parts.append(str(name))
+    return "/".join(parts)
+
+
+def leaf_checksums(tree) -> dict[str, str]:
+    """'path/to/leaf' -> 16 hex digits, for every array leaf of `tree`: what a checkpoint
+    saves to verify each leaf when it is read back."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    hashes = jax.device_get(_tree_hashes([x for _, x in leaves]))
+    return {path_name(p): f"{int(h[0]):08x}{int(h[1]):08x}" for (p, _), h in zip(leaves, hashes)}
+
+
+def params_checksum(params, hashes: dict[str, str] | None = None) -> str:
+    """The checkpoint checksum: one sha256 hex digest of the parameters' names, shapes,
+    dtypes and exact bits, independent of mesh, sharding and process count (saved with
+    every checkpoint as meta["params_checksum"]). `hashes`: leaf_checksums(params), when
+    already computed. Not the reproducibility digest (ParamFingerprint below), which is
+    a sum of parts so that islands' parts add up."""
+    hashes = leaf_checksums(params) if hashes is None else hashes
+    leaves = {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    h = hashlib.sha256()
+    for name in sorted(leaves):
+        x = leaves[name]
+        h.update(f"{name}|{tuple(x.shape)}|{jnp.dtype(x.dtype).name}|{hashes[name]};".encode())
+    return h.hexdigest()[:32]
 
 
 def part_hash(*fields) -> int:
@@ -61,7 +140,7 @@ def _replicated(tree):
 def _row_words(batch: dict) -> dict:
     # (rows, 2) uint32 per field: each row hashed on its own, so the row's global index
     # can be mixed in on the host (and parts of a batch held elsewhere add up).
-    return {k: jax.vmap(_leaf_hash)(v) for k, v in batch.items()}
+    return {k: jax.vmap(leaf_words)(v) for k, v in batch.items()}
 
 
 _row_words_jit = {}
@@ -107,8 +186,8 @@ def _param_stats(params):
     def one(path, x):
         x = jnp.asarray(x)
         if _is_blocks(path):
-            return jax.vmap(_leaf_hash)(x), jnp.sum(jnp.square(x.astype(jnp.float32)).reshape(x.shape[0], -1), 1)
-        return _leaf_hash(x), jnp.sum(jnp.square(x.astype(jnp.float32)))
+            return jax.vmap(leaf_words)(x), jnp.sum(jnp.square(x.astype(jnp.float32)).reshape(x.shape[0], -1), 1)
+        return leaf_words(x), jnp.sum(jnp.square(x.astype(jnp.float32)))
     return jax.tree_util.tree_map_with_path(one, params)
 
 
@@ -126,7 +205,7 @@ def param_stats(params, layout: StageLayout | None = None):
     if key not in _stats_jit:
         _stats_jit[key] = jax.jit(lambda p: _param_stats(convert(p)), out_shardings=key[0])
     leaves = jax.tree_util.tree_flatten_with_path(jax.eval_shape(convert, params))[0]
-    shapes = {_path(p): (tuple(x.shape), jnp.dtype(x.dtype).name, _is_blocks(p)) for p, x in leaves}
+    shapes = {path_name(p): (tuple(x.shape), jnp.dtype(x.dtype).name, _is_blocks(p)) for p, x in leaves}
     return _stats_jit[key](params), shapes
 
 
@@ -166,7 +245,7 @@ class ParamFingerprint:
 def fingerprint_from_stats(stats, shapes, layer_offset: int = 0) -> ParamFingerprint:
     """Fetches `param_stats` and builds the fingerprint (layers numbered from layer_offset)."""
     stats = jax.device_get(stats)
-    leaves = {_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(
+    leaves = {path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(
         stats, is_leaf=lambda x: isinstance(x, tuple))[0]}
     tensors = {}
     for name, (words, sumsq) in leaves.items():

@@ -1,0 +1,27 @@
+"""config.checkpoint, apart from hetjax/checkpoint.py so that reading a config imports no orbax."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hetjax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints in `dir` (default: run_dir/checkpoints); a restarted run resumes."""
+
+    every: int = 100  # save every N steps (and at the end, and on SIGTERM); 0: only those
+    keep: int = 3  # keep the newest K ...
+    keep_every: int = 0  # ... plus every M-th step (0: none)
+    async_save: bool = True  # write in a background thread while training goes on
+    dir: str = ""
+
+
+def validate_checkpoint(c: CheckpointConfig) -> None:
+    """Raises ConfigError for a schedule that could never resume."""
+    for key in ("every", "keep_every"):
+        if getattr(c, key) < 0:
+            raise ConfigError(f"config.checkpoint.{key}={getattr(c, key)}: use 0 (off) or a positive step count")
+    if c.keep < 1:
+        raise ConfigError(f"config.checkpoint.keep={c.keep}: keep at least 1 checkpoint, or resume is impossible")

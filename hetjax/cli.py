@@ -1,0 +1,94 @@
+"""argv -> what a command runs: `--config FILE`, `--config.a.b=v` overrides, the command's
+own flags and options, `--help`, and the exit status of a failure.
+
+Every command (hetjax.train, hetjax.data.prepare, launch.local, ...) parses its argv here
+and wraps its main in `run_main`, so all of them read and fail the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+
+from hetjax.errors import ConfigError, HetjaxError
+
+
+@dataclasses.dataclass
+class CommandLine:
+    """A parsed command line: the config file, its overrides, flags and options."""
+
+    config: str
+    overrides: dict[str, str]
+    compile_only: bool = False
+    options: dict = dataclasses.field(default_factory=dict)  # the command's own --name=value
+
+
+def run_main(main, errors: tuple = ()) -> int:
+    """A command's exit status: main()'s, or 2 after `error: ...` for a ConfigError (the
+    user's input), or 1 after it for one of `errors` or any other HetjaxError (the run failed)."""
+    try:
+        return main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (HetjaxError, *errors) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _known(flags, options: dict) -> list[str]:
+    return (["--config", "--config.KEY=VALUE"] + [f"--{f}" for f in flags]
+            + [f"--{o}=VALUE" for o in options])
+
+
+def _help(doc: str | None, flags, options: dict) -> str:
+    lines = [doc.strip(), ""] if doc else []
+    lines += ["arguments:",
+              "  --config FILE          the experiment: configs/NAME.py, NAME.py or NAME (its get_config())",
+              "  --config.KEY=VALUE     override one field, e.g. --config.steps=10 --config.model.num_layers=4"]
+    lines += [f"  --{f}" for f in flags]
+    lines += [f"  --{o}=VALUE" + (f"  (default: {v})" if v not in (None, "") else "")
+              for o, v in options.items()]
+    lines += ["  -h, --help             print this and exit"]
+    return "\n".join(lines)
+
+
+def parse_command_line(argv: list[str], flags: tuple[str, ...] = ("compile_only",),
+                       options: dict | None = None, doc: str | None = None) -> CommandLine:
+    """Parses `--config X`, `--config.a.b=v` (or `--config.a.b v`), boolean flags, and the
+    command's own options `--name=v` (or `--name v`), whose defaults `options` gives.
+    `--help` (or `-h`) prints `doc` (the command's docstring) and the arguments, and exits 0."""
+    name, overrides, seen = None, {}, set()
+    values = dict(options or {})
+    if "--help" in argv or "-h" in argv:
+        print(_help(doc, flags, values))
+        raise SystemExit(0)
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        key, eq, value = arg.partition("=")
+        if key == "--config":
+            name = value if eq else (args.pop(0) if args else None)
+        elif key.startswith("--config."):
+            if not eq:
+                if not args:
+                    raise ConfigError(f"{arg}: give a value, e.g. {arg}=VALUE")
+                value = args.pop(0)
+            overrides[key.removeprefix("--config.")] = value
+        elif key.startswith("--") and key.removeprefix("--").replace("-", "_") in values:
+            if not eq:
+                if not args:
+                    raise ConfigError(f"{arg}: give a value, e.g. {arg}=VALUE")
+                value = args.pop(0)
+            values[key.removeprefix("--").replace("-", "_")] = value
+        elif key.removeprefix("--").replace("-", "_") in flags and not eq:
+            seen.add(key.removeprefix("--").replace("-", "_"))
+        else:
+            known = _known(flags, values) + ["--help"]
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(known)}"
+            raise ConfigError(f"unknown argument {arg!r}; {hint}")
+    if not name:
+        raise ConfigError("--config is required, e.g. --config configs/tiny.py")
+    return CommandLine(name, overrides, options=values, **{f: f in seen for f in flags})

@@ -1,0 +1,56 @@
+"""config.data: where training text comes from and how it becomes batches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hetjax.errors import ConfigError
+
+DATA_SOURCES = ("synthetic", "text", "jsonl", "array_record")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Training data (hetjax/data): a source, a tokenizer, packing and grain workers."""
+
+    seed: int = 0  # shuffling, the eval hold-out and the synthetic language
+    source: str = "synthetic"  # synthetic | text | jsonl | array_record
+    path: str = ""  # text/jsonl: comma-separated files or globs; array_record: prepare's directory
+    eval_path: str = ""  # held-out data; empty: hold out eval_fraction of the documents
+    eval_fraction: float = 0.01
+    text_field: str = "text"  # jsonl: the field that holds a document's text
+    tokenizer: str = "byte"  # byte | path to a tokenizer.json | path to a SentencePiece .model
+    skip_bad_records: bool = False  # skip (and count) bad lines instead of stopping
+    index_dir: str = ""  # where text/jsonl indexes are cached; empty: next to the data
+    shuffle: bool = True  # a seeded permutation of the documents per epoch
+    num_workers: int = 0  # grain worker processes; any number gives the same batches
+    start_step: int = 0  # first step to train: its batch and all later ones, as if never stopped
+    # The synthetic language (hetjax/data/synthetic.py): a seeded unifilar HMM.
+    num_states: int = 32
+    branching: int = 8  # tokens each hidden state can emit (Zipf-like probabilities)
+    zipf_exponent: float = 1.0
+    mean_doc_length: int = 48
+    num_documents: int = 100_000  # per split
+
+
+def validate_data(cfg) -> None:
+    """Raises ConfigError for cfg.data (a Config: the checks read the vocabulary and steps)."""
+    d = cfg.data
+    for key in ("branching", "mean_doc_length", "num_states", "num_documents"):
+        if getattr(d, key) <= 0:
+            raise ConfigError(f"config.data.{key}={getattr(d, key)}: must be positive")
+    if d.source not in DATA_SOURCES:
+        raise ConfigError(f"config.data.source={d.source!r}: choose one of {DATA_SOURCES}")
+    if d.source != "synthetic" and not d.path:
+        raise ConfigError(f"config.data.source={d.source!r} needs config.data.path (files, globs "
+                          f"or a prepared directory)")
+    if d.source == "synthetic" and d.branching >= cfg.model.vocab_size:
+        raise ConfigError(f"config.data.branching={d.branching}: must be below "
+                          f"config.model.vocab_size={cfg.model.vocab_size} (token 0 is BOS)")
+    if not 0.0 < d.eval_fraction < 1.0:
+        raise ConfigError(f"config.data.eval_fraction={d.eval_fraction}: must lie in (0, 1)")
+    for key in ("num_workers", "start_step"):
+        if getattr(d, key) < 0:
+            raise ConfigError(f"config.data.{key}={getattr(d, key)}: must be >= 0")
+    if d.start_step >= cfg.steps:
+        raise ConfigError(f"config.data.start_step={d.start_step}: must be below config.steps={cfg.steps}")

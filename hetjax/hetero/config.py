@@ -1,0 +1,174 @@
+"""config.hetero: the islands of a job, how the model or batch is placed on them, the links."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hetjax.errors import ConfigError
+from hetjax.mesh import MESH_AXES, MeshConfig
+from hetjax.pipeline.config import validate_pipeline
+from hetjax.transfer.link import LinkConfig
+
+PLACEMENTS = ("pipeline", "data")
+PLATFORMS = ("cpu", "cuda", "rocm")
+
+
+@dataclasses.dataclass(frozen=True)
+class IslandConfig:
+    """A homogeneous part of the job: its own platform, jax.distributed world and mesh."""
+
+    name: str = "island"
+    platform: str = "cpu"  # cuda | rocm | cpu: the compile profile of this island
+    num_processes: int = 1
+    devices_per_process: int = 1
+    mesh: MeshConfig = MeshConfig()  # over num_processes * devices_per_process devices
+    speed: float = 1.0  # relative throughput: data shares and the default layer split
+
+    @property
+    def devices(self) -> int:
+        """The island's devices, over all of its processes."""
+        return self.num_processes * self.devices_per_process
+
+
+@dataclasses.dataclass(frozen=True)
+class HeteroConfig:
+    """Islands joined by the transfer primitive (hetjax/hetero); no islands: one mesh."""
+
+    islands: tuple = ()  # IslandConfigs, in pipeline order
+    placement: str = "pipeline"  # pipeline: layers split over islands | data: the batch split
+    island_layers: tuple = ()  # pipeline: layers per island; (): in proportion to speed
+    auto_split: bool = False  # pipeline: measure each island's time per layer, split by that
+    link: LinkConfig = LinkConfig(backend="local")  # every link between islands ...
+    links: tuple = ()  # ... or one LinkConfig per neighbouring pair (island i, i+1)
+    virtual: bool = True  # every island in this process, on a partition of its devices
+    fingerprint_every: int = 10  # data placement: check islands hold identical parameters
+    timeout_s: float = 120.0  # an island's own jax.distributed start, heartbeat and shutdown
+
+
+def island_mesh_sizes(island: IslandConfig) -> dict[str, int] | None:
+    """The island's mesh axis sizes with -1 resolved; None if they cannot fill its devices."""
+    devices = island.devices
+    sizes = {a: getattr(island.mesh, a) for a in MESH_AXES}
+    known = math.prod(s for s in sizes.values() if s != -1)
+    wild = [a for a, s in sizes.items() if s == -1]
+    if len(wild) > 1 or any(s == 0 or s < -1 for s in sizes.values()) or devices % known:
+        return None
+    if wild:
+        sizes[wild[0]] = devices // known
+    return sizes if math.prod(sizes.values()) == devices else None
+
+
+def validate_hetero(cfg) -> None:
+    """Raises ConfigError for cfg.hetero (cfg: a Config: islands cut its model and batch)."""
+    h = cfg.hetero
+    if not h.islands:
+        return
+    n = len(h.islands)
+    names = [getattr(i, "name", None) for i in h.islands]
+    for k, island in enumerate(h.islands):
+        where = f"config.hetero.islands[{k}]"
+        if not isinstance(island, IslandConfig):
+            raise ConfigError(f"{where}={island!r}: give an IslandConfig(name=..., platform=..., mesh=...)")
+        if not island.name or not island.name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"{where}.name={island.name!r}: use letters, digits, - and _ (it names "
+                              f"logs, checkpoint folders and transfer tags)")
+        if names.count(island.name) > 1:
+            raise ConfigError(f"{where}.name={island.name!r} is used twice; give every island its own name")
+        if island.platform not in PLATFORMS:
+            raise ConfigError(f"{where}.platform={island.platform!r}: choose one of {PLATFORMS}")
+        for key in ("num_processes", "devices_per_process"):
+            if not isinstance(getattr(island, key), int) or getattr(island, key) < 1:
+                raise ConfigError(f"{where}.{key}={getattr(island, key)!r}: must be a positive integer")
+        if not island.speed > 0:
+            raise ConfigError(f"{where}.speed={island.speed!r}: must be positive (a relative throughput)")
+        if island_mesh_sizes(island) is None:
+            devices = island.devices
+            raise ConfigError(
+                f"{where}.mesh={island.mesh} does not fit the island's {island.num_processes} x "
+                f"{island.devices_per_process} = {devices} devices; make the sizes multiply to "
+                f"{devices} (one may be -1)")
+        if h.placement == "data" and island.mesh.pipeline != 1:
+            try:  # the island runs its own pipeline: the same rules as config.mesh.pipeline's
+                validate_pipeline(dataclasses.replace(cfg, mesh=island.mesh))
+            except ConfigError as e:
+                raise ConfigError(f"{where}.mesh.pipeline={island.mesh.pipeline}: {e}") from None
+    if h.placement not in PLACEMENTS:
+        raise ConfigError(f"config.hetero.placement={h.placement!r}: choose one of {PLACEMENTS}")
+    if cfg.mesh.pipeline not in (1, -1):
+        raise ConfigError(f"config.mesh.pipeline={cfg.mesh.pipeline} with config.hetero.islands: "
+                          f"each island's mesh is its own (config.hetero.islands[k].mesh)")
+    if h.placement == "pipeline":
+        if n < 2:
+            raise ConfigError("config.hetero.placement='pipeline' needs at least 2 islands (one per stage)")
+        for k, island in enumerate(h.islands):
+            if island.mesh.pipeline != 1:
+                raise ConfigError(
+                    f"config.hetero.islands[{k}].mesh.pipeline={island.mesh.pipeline}: with "
+                    f"placement='pipeline' the islands are the stages; set it to 1 (a pipeline "
+                    f"inside an island works with placement='data')")
+        if h.island_layers and h.auto_split:
+            raise ConfigError("config.hetero.island_layers and config.hetero.auto_split both split the "
+                              "layers; set only one")
+        if h.island_layers and (len(h.island_layers) != n or any(
+                not isinstance(x, int) or x < 1 for x in h.island_layers)
+                or sum(h.island_layers) != cfg.model.num_layers):
+            raise ConfigError(
+                f"config.hetero.island_layers={h.island_layers}: give one layer count >= 1 per "
+                f"island ({n}) adding up to config.model.num_layers={cfg.model.num_layers}")
+        if cfg.optim.grad_accum_steps != 1 or cfg.pipeline.stage_layers:
+            raise ConfigError(
+                f"config.optim.grad_accum_steps={cfg.optim.grad_accum_steps} / config.pipeline."
+                f"stage_layers={cfg.pipeline.stage_layers} with placement='pipeline': the islands are "
+                f"the stages; set config.pipeline.microbatches and config.hetero.island_layers instead")
+        rows = cfg.batch_size // max(cfg.pipeline.microbatches, 1)
+        for k, island in enumerate(h.islands):
+            sizes = island_mesh_sizes(island)
+            if rows % (sizes["data"] * sizes["fsdp"]):
+                raise ConfigError(
+                    f"a micro-batch of config.batch_size/config.pipeline.microbatches = {rows} rows does "
+                    f"not split over config.hetero.islands[{k}]'s data x fsdp = "
+                    f"{sizes['data'] * sizes['fsdp']} devices; raise config.batch_size or lower "
+                    f"config.pipeline.microbatches")
+        if cfg.model.num_layers < n:
+            raise ConfigError(f"config.model.num_layers={cfg.model.num_layers} is fewer than the {n} "
+                              f"islands of placement='pipeline'; every island needs a layer")
+        schedule = cfg.pipeline.schedule
+        if schedule not in ("gpipe", "1f1b"):
+            raise ConfigError(f"config.pipeline.schedule={schedule!r} across islands: use 'gpipe' or "
+                              f"'1f1b' (islands run their own operations without lockstep ticks)")
+        if schedule == "1f1b" and cfg.pipeline.microbatches < n:
+            raise ConfigError(f"config.pipeline.microbatches={cfg.pipeline.microbatches} is below the {n} "
+                              f"islands: 1F1B never fills the pipeline; use at least {n}")
+        if cfg.batch_size % cfg.pipeline.microbatches:
+            raise ConfigError(f"config.batch_size={cfg.batch_size} is not divisible by "
+                              f"config.pipeline.microbatches={cfg.pipeline.microbatches}")
+    if h.links and len(h.links) != n - 1:
+        raise ConfigError(f"config.hetero.links has {len(h.links)} entries for {n} islands: give one "
+                          f"LinkConfig per neighbouring pair ({n - 1}), or set config.hetero.link for all")
+    # Neighbours use links[k]; every other pair (and every pair without `links`) uses `link`.
+    checked = [(f"config.hetero.links[{k}]", link) for k, link in enumerate(h.links)]
+    if not h.links or n > 2:
+        checked.append(("config.hetero.link", h.link))
+    for where, link in checked:
+        if not isinstance(link, LinkConfig):
+            raise ConfigError(f"{where}={link!r}: give a LinkConfig(backend=...)")
+        link.validate(where)
+        if h.virtual and link.backend != "local":
+            raise ConfigError(f"{where}.backend={link.backend!r} with config.hetero.virtual=True: virtual "
+                              f"islands share one process, so use 'local'; or run real processes "
+                              f"(config.hetero.virtual=False, python -m launch.local)")
+        if not h.virtual and link.backend == "local":
+            raise ConfigError(f"{where}.backend='local' with config.hetero.virtual=False: islands in "
+                              f"separate processes need 'host' or 'direct'")
+    if h.placement == "data" and len(set(h.links)) > 1:
+        raise ConfigError("config.hetero.links: with placement='data' every island talks to every "
+                          "other one; set one config.hetero.link")
+    if h.fingerprint_every < 0:
+        raise ConfigError(f"config.hetero.fingerprint_every={h.fingerprint_every}: use 0 (off) or a "
+                          f"positive step count")
+    if cfg.checkpoint.keep < 2:
+        raise ConfigError(f"config.checkpoint.keep={cfg.checkpoint.keep} with islands: keep at least 2, "
+                          f"so that a step every island finished survives one island dying mid-save")
+    if not h.timeout_s > 0:
+        raise ConfigError(f"config.hetero.timeout_s={h.timeout_s}: must be positive (seconds)")

@@ -1,0 +1,163 @@
+"""The job contract that hetjax/train.py's loop drives (`Job`), and the one-mesh job
+(`MeshJob`). The islands' job (hetjax.hetero.job.IslandsJob) implements the same contract."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from hetjax import checkpoint, memory, metrics, program, repro, sharding
+from hetjax.mesh import describe, make_mesh
+
+
+class Checkpoints(Protocol):
+    """What the loop asks of a job's checkpoints (hetjax.checkpoint.Manager, or one per island)."""
+
+    directory: Path
+
+    def should_save(self, step: int) -> bool: ...
+    def save(self, step: int, state: Any, data_state: dict, config: dict) -> None: ...
+    def wait(self) -> None: ...
+    def steps(self) -> list[int]: ...
+    def close(self) -> None: ...
+
+
+class Batches(Protocol):
+    """The job's batch iterator, whose position a checkpoint saves."""
+
+    def __next__(self) -> Any: ...
+    def get_state(self) -> dict: ...
+    def set_state(self, state: dict) -> None: ...
+    def close(self) -> None: ...
+
+
+class Job(Protocol):
+    """Everything hetjax/train.py's loop uses of a job, and nothing else."""
+
+    state: Any  # the train state to start from (restored or fresh); opaque to the loop
+    start: int  # the first step to run
+    batches: Batches  # positioned at `start`
+    checkpoints: Checkpoints
+    mesh: Any  # the job's one Mesh, or None when it has several (islands)
+    run_dir: Path  # where this process writes metrics and fingerprints
+    peak: float  # peak FLOP/s of the job's devices, for MFU
+    peak_source: str  # where `peak` comes from, for the log
+    writes_fingerprints: bool | None  # repro.Recorder's `write` (None: process 0 writes)
+
+    def train_step(self, state: Any, batch: Any) -> tuple[Any, dict]:
+        """One optimizer step: (new state, its metrics, possibly still on the device)."""
+
+    def eval_sums(self, state: Any, i: int) -> dict:
+        """{"loss_sum", "tokens"} of eval batch i."""
+
+    def digest_batch(self, step: int, batch: Any) -> None:
+        """Starts the digest of step `step`'s global batch (hetjax.repro)."""
+
+    def batch_digest(self, step: int) -> int:
+        """The digest started by digest_batch(step), completed."""
+
+    def param_fingerprint(self, state: Any) -> repro.ParamFingerprint:
+        """The whole model's parameter fingerprint, independent of layout."""
+
+    def check_identical(self, state: Any, step: int) -> None:
+        """Raises if copies of the parameters that must agree bit for bit do not."""
+
+    def flops_per_step(self) -> float:
+        """Model FLOPs of one step (6N + attention), for MFU."""
+
+    @property
+    def stop_requested(self) -> bool:
+        """Should the loop save and stop after this step (agreed by every part of the job)?"""
+
+    def request_stop(self) -> None:
+        """Asks the job to stop at the next step boundary (SIGTERM's handler calls it)."""
+
+    def close(self) -> None:
+        """Releases what the job holds (links, timelines)."""
+
+
+class MeshJob:
+    """A training job on one mesh (no islands): builds its program abstractly first,
+    compiles, and restores or initialises the state."""
+
+    writes_fingerprints = None  # process 0 writes (hetjax.repro.Recorder)
+
+    def __init__(self, cfg, dataset, compile_only: bool = False, log=print):
+        self.cfg, self.dataset = cfg, dataset
+        self._batch_words: dict = {}
+        self._stop = threading.Event()
+        # Everything below up to init_state is abstract: no parameter is allocated.
+        mesh = make_mesh(cfg.mesh)
+        prog = program.build(cfg, mesh)  # checks that the model splits over the mesh
+        self.batch_shardings = prog.batch_shardings
+        replicated = sharding.check_replication(prog.layouts, mesh, cfg.sharding.max_replicated_fraction)
+        self.num_params = sum(math.prod(l.shape) for l in prog.layouts)
+        estimate = memory.estimate(cfg, prog.layouts, mesh)
+        log(f"{cfg.name}: {self.num_params:,} parameters on mesh {describe(mesh)} "
+            f"({mesh.devices.flat[0].device_kind}); {replicated:.1%} of parameter bytes replicated; "
+            f"needs {estimate.describe()}")
+        if prog.plan is not None:
+            log(prog.plan.describe())
+        self.mesh, self.plan = mesh, prog.plan
+        if not compile_only:
+            memory.check_fits(cfg, estimate, mesh)
+
+        t0 = time.perf_counter()
+        self.compiled = prog.compile_train_step()
+        log(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
+        if compile_only:
+            return
+        self.run_dir = Path(cfg.run_dir)
+        self.checkpoints = checkpoint.Manager(checkpoint.default_dir(cfg), cfg.checkpoint)
+        # Resume the run's own checkpoint if it has one (same run_dir, no flag); else
+        # start from config.init_from's weights; else initialise.
+        restored = self.checkpoints.restore_latest(prog.state, prog.state_shardings, log)
+        if restored is not None:
+            self.state, self.start = restored.state, restored.step
+            log(f"resumed from step {self.start} of {self.checkpoints.directory} "
+                f"(parameter checksum {restored.meta.get('params_checksum')})")
+        elif cfg.init_from:
+            params = checkpoint.load_params(cfg.init_from, prog.state.params, prog.state_shardings.params)
+            self.state, self.start = checkpoint.fresh_state(params, prog.tx, prog.state_shardings), cfg.data.start_step
+        else:
+            self.state, self.start = prog.init_state(), cfg.data.start_step
+        self.eval_step = prog.compile_eval_step()
+        self.batches = dataset.iterator(self.batch_shardings, self.start)
+        if restored is not None:
+            self.batches.set_state(restored.data_state)  # refuses a state saved for other data
+            assert self.batches.get_state()["step"] == self.start, (self.batches.get_state(), self.start)
+        self.peak, self.peak_source = metrics.peak_flops(cfg, list(mesh.devices.flat))
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def train_step(self, state, batch):
+        return self.compiled(state, batch)
+
+    def eval_sums(self, state, i: int) -> dict:
+        return self.eval_step(state.params, self.dataset.eval_batch(i, self.batch_shardings))
+
+    def digest_batch(self, step: int, batch) -> None:
+        self._batch_words[step] = repro.batch_words(batch)
+
+    def batch_digest(self, step: int) -> int:
+        return repro.combine_rows(self._batch_words.pop(step))
+
+    def param_fingerprint(self, state) -> repro.ParamFingerprint:
+        return repro.param_fingerprint(state.params, layout=None if self.plan is None else self.plan.layout)
+
+    def check_identical(self, state, step: int) -> None:
+        """One mesh holds one copy of the parameters: nothing to compare."""
+
+    def flops_per_step(self) -> float:
+        return metrics.model_flops_per_token(self.cfg, self.num_params) * self.cfg.batch_size * self.cfg.seq_len
+
+    def close(self) -> None:
+        pass

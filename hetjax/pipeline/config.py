@@ -1,0 +1,59 @@
+"""config.pipeline: the micro-batch schedule over the `pipeline` mesh axis, and its checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hetjax.errors import ConfigError
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "1f1b_fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Micro-batch schedule over the `pipeline` mesh axis (used when config.mesh.pipeline > 1)."""
+
+    schedule: str = "1f1b"  # gpipe | 1f1b | 1f1b_fused (see hetjax/pipeline/schedule.py)
+    microbatches: int = 4  # the global batch is split into this many micro-batches
+    stage_layers: tuple = ()  # layers per stage, e.g. (3, 5); () splits num_layers evenly
+
+
+def validate_pipeline(cfg) -> None:
+    """Raises ConfigError unless cfg.pipeline fits cfg.mesh.pipeline stages (cfg: a Config)."""
+    p, stages = cfg.pipeline, cfg.mesh.pipeline
+    if p.schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"config.pipeline.schedule={p.schedule!r}: choose one of {PIPELINE_SCHEDULES}")
+    if p.microbatches <= 0:
+        raise ConfigError(f"config.pipeline.microbatches={p.microbatches}: must be positive")
+    if stages == 1 or (stages == -1 and not p.stage_layers):
+        return
+    if cfg.optim.grad_accum_steps != 1:
+        raise ConfigError(
+            f"config.optim.grad_accum_steps={cfg.optim.grad_accum_steps} with config.mesh.pipeline="
+            f"{stages}: the pipeline already splits the batch; set config.pipeline.microbatches instead")
+    if p.stage_layers:
+        if stages != -1 and len(p.stage_layers) != stages:
+            raise ConfigError(
+                f"config.pipeline.stage_layers={p.stage_layers} names {len(p.stage_layers)} stages "
+                f"but config.mesh.pipeline={stages}; give one layer count per stage")
+        if any(not isinstance(n, int) or n < 1 for n in p.stage_layers):
+            raise ConfigError(f"config.pipeline.stage_layers={p.stage_layers}: every stage needs >= 1 layer")
+        if sum(p.stage_layers) != cfg.model.num_layers:
+            raise ConfigError(
+                f"config.pipeline.stage_layers={p.stage_layers} adds up to {sum(p.stage_layers)} "
+                f"layers but config.model.num_layers={cfg.model.num_layers}; make them add up")
+        stages = len(p.stage_layers)
+    elif cfg.model.num_layers % stages:
+        raise ConfigError(
+            f"config.model.num_layers={cfg.model.num_layers} does not split evenly into "
+            f"config.mesh.pipeline={stages} stages; set config.pipeline.stage_layers (e.g. an "
+            f"uneven split adding up to {cfg.model.num_layers}) or change the number of stages")
+    if p.schedule.startswith("1f1b") and p.microbatches < stages:
+        raise ConfigError(
+            f"config.pipeline.microbatches={p.microbatches} is smaller than the {stages} pipeline "
+            f"stages: 1F1B never fills the pipeline; use at least {stages} micro-batches, or "
+            f"config.pipeline.schedule='gpipe'")
+    if cfg.batch_size % p.microbatches:
+        raise ConfigError(
+            f"config.batch_size={cfg.batch_size} is not divisible by config.pipeline.microbatches="
+            f"{p.microbatches}; make the batch a multiple of the micro-batch count")

@@ -1,0 +1,175 @@
+"""The `host` backend's sending side: one TCP stream to a destination process and its thread.
+
+Each stream has one sending thread for the life of the endpoint, which starts copying its
+next chunk off the device while it sends the current one, writes END after a message's
+chunks and waits for the receiver's ACK. A small message whose arrays are ready goes out
+on the caller's thread when its stream is idle, which saves a thread hop (its ACK is
+still read by the stream's thread).
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+import typing
+
+import numpy as np
+
+from hetjax.errors import PeerLost
+from hetjax.transfer import core, wire
+from hetjax.transfer.link import TransferError
+
+_counted = threading.Lock()  # guards Handle.wire_bytes across stream threads
+
+
+class Job(typing.NamedTuple):
+    """Part of one message for one stream: its chunks, and whom to tell when they are in."""
+
+    tag: str
+    leaves: list
+    plans: list
+    chunks: list  # (leaf, piece index, piece, sub-region, byte offset in the piece)
+    handle: core.Handle
+    finished: typing.Callable  # finished(None) once acknowledged, finished(error) on failure
+    shards: dict  # (leaf, source position) -> the shard as a numpy array (CPU), made once
+    small: bool  # at most wire.SMALL bytes: one BATCH frame
+
+
+class Stream:
+    """One TCP connection to a destination process, with its own thread that sends the
+    jobs put to it in order: each job's chunks, then END, then it waits for the ACK
+    (the receiver has verified every chunk). It connects on first use, and again after
+    a failure."""
+
+    def __init__(self, endpoint, address: str):
+        self.endpoint, self.address = endpoint, address
+        self.sock: socket.socket | None = None
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # (job, already written)
+        self.closed, self.lock = False, threading.Lock()
+        self.queued = 0  # jobs put and not yet finished by the thread; 0: it leaves the socket alone
+        threading.Thread(target=self._run, daemon=True, name=f"hetjax-send-{address}").start()
+
+    def put(self, job: Job) -> None:
+        with self.lock:  # never behind close()'s None, where no thread would take it
+            if self.closed:
+                error = TransferError(f"send {job.tag!r}: the endpoint is closed")
+            else:
+                self.queued += 1
+                # Idle, connected, and a small message that is ready: written here (the
+                # lock keeps later puts behind it), acknowledged on the thread.
+                written = (self.queued == 1 and self.sock is not None and job.small
+                           and all(job.leaves[i].is_ready() for i in {c[0] for c in job.chunks}))
+                try:
+                    if written:
+                        self._write(job)
+                except BaseException as e:  # noqa: BLE001 - handed to the message's handle
+                    self.sock.close()
+                    self.sock, self.queued, error = None, self.queued - 1, e
+                else:
+                    self.jobs.put((job, written))
+                    return
+        job.finished(error)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.jobs.put(None)
+        if self.sock is not None:
+            self.sock.close()
+
+    def _run(self) -> None:
+        while (item := self.jobs.get()) is not None:
+            job, written = item
+            error = None
+            try:
+                if self.closed:
+                    raise TransferError(f"send {job.tag!r}: the endpoint is closed")
+                if not written:
+                    if self.sock is None:
+                        self.sock = self.endpoint.connect(self.address)
+                    self._write(job)
+                self._acknowledged(job)
+            except BaseException as e:  # noqa: BLE001 - handed to the message's handle
+                if self.sock is not None:
+                    self.sock.close()
+                    self.sock = None  # reconnect for the next job
+                error = e
+            with self.lock:
+                self.queued -= 1
+            job.finished(error)
+
+    def _write(self, job: Job) -> None:
+        """Puts the job's chunks and its END on the wire (one BATCH frame when small)."""
+        if job.small:
+            payloads, metas = [], []
+            for k, (i, j, piece, sub, offset) in enumerate(job.chunks):
+                payload = _payload(_host_chunk(job, k, self.endpoint))
+                payloads.append(payload)
+                metas.append(_chunk_meta(job, i, j, piece, offset, payload, self.endpoint))
+            batch = wire.frame(wire.BATCH, {"tag": job.tag, "chunks": metas})
+            wire.sendall(self.sock, b"".join([batch, *payloads]), self.address)
+            with _counted:
+                job.handle.wire_bytes += sum(map(len, payloads))
+            return
+        ep, sock, address, tag = self.endpoint, self.sock, self.address, job.tag
+        copy = _host_chunk(job, 0, ep)  # the next chunk's copy to the host runs while this one is sent
+        pending = []  # small chunks wait here and go out together, in as few packets as they fit
+        for k, (i, j, piece, sub, offset) in enumerate(job.chunks):
+            data, copy = copy, (_host_chunk(job, k + 1, ep) if k + 1 < len(job.chunks) else None)
+            payload = _payload(data)
+            frame = {"tag": tag, **_chunk_meta(job, i, j, piece, offset, payload, ep)}
+            if payload.nbytes <= wire.SMALL and sum(map(len, pending)) <= wire.SMALL:
+                pending += [wire.frame(wire.CHUNK, frame), payload.tobytes()]
+            else:
+                wire.sendall(sock, b"".join(pending) + wire.frame(wire.CHUNK, frame), address)
+                wire.sendall(sock, payload, address)
+                pending = []
+            with _counted:
+                job.handle.wire_bytes += payload.nbytes
+        # With TCP_NODELAY every write is a packet and a wake-up of the receiver: the last
+        # small chunks and END go in one.
+        wire.sendall(sock, b"".join(pending) + wire.frame(wire.END, {"tag": tag}), address)
+
+    def _acknowledged(self, job: Job) -> None:
+        """Waits for the receiver's ACK: it verified every chunk of the job."""
+        try:
+            kind, meta = wire.read_frame(self.sock, self.address, idle_ok=False, timeout_s=self.endpoint.cfg.timeout_s)
+        except PeerLost:
+            raise TransferError(f"send {job.tag!r}: peer {self.address} closed the stream instead of acknowledging; "
+                                f"see its log (wrong tag, shape, dtype or a failed checksum)") from None
+        assert kind == wire.ACK and meta["tag"] == job.tag, (kind, meta)
+
+
+def _payload(data) -> memoryview:
+    return memoryview(np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8))
+
+
+def _chunk_meta(job: Job, i: int, j: int, piece, offset: int, payload: memoryview, endpoint) -> dict:
+    x = job.leaves[i]
+    return {"leaf": i, "piece": j, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
+            "region": [list(r) for r in piece.region], "offset": offset, "n": payload.nbytes,
+            "sum": endpoint.checksum(payload)}
+
+
+def _host_chunk(job: Job, k: int, endpoint):
+    """Chunk k of a job as host memory: a view on CPU (no copy when contiguous; each
+    shard is made a numpy array once per job, not once per chunk); elsewhere a
+    device-side slice whose copy to the host starts now (it is read later)."""
+    i, _, piece, sub, _ = job.chunks[k]
+    x, plan = job.leaves[i], job.plans[i]
+    within = plan.src_regions[piece.src]
+    index = core.local_slices(sub, within)
+    if (i, piece.src) in job.shards:
+        return job.shards[i, piece.src][index]
+    data = core.shard_on(x, piece.src)
+    if next(iter(data.devices())).platform == "cpu":
+        data.block_until_ready()  # the producing program's time is not a copy's
+        t = time.perf_counter()
+        job.shards[i, piece.src] = host = np.asarray(data)
+        endpoint.copied(job.tag, t)
+        return host[index]
+    part = core.as_bits(data)[index]
+    part.copy_to_host_async()
+    return part

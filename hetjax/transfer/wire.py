@@ -1,0 +1,131 @@
+"""The `host` backend's wire format: frames, the secret handshake, chunk checksums.
+
+A frame is `FRAME` (magic, kind, length of the JSON header that follows) and that JSON
+header; a chunk's payload follows its header unframed. Every connection starts with an
+HMAC challenge-response in both directions under the job's shared secret. The probe's
+control channel (probe.py) speaks the same frames with a kind of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import socket
+import struct
+import zlib
+
+import xxhash
+
+from hetjax.errors import PeerLost  # noqa: F401 - raised here, caught by callers
+from hetjax.transfer import link
+from hetjax.transfer.link import TransferError, TransferTimeout
+
+log = logging.getLogger("hetjax.transfer")
+
+FRAME = struct.Struct("<4sBI")  # magic, kind, length of the JSON header that follows
+MAGIC = b"HJX1"
+CHUNK, END, ACK, BATCH = 1, 2, 3, 4  # BATCH: a whole small message; an END is implied
+CHECKSUM_FUNCTIONS = {"xxh3": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32, "adler32": zlib.adler32}
+SMALL = 64 << 10  # a chunk (or a whole message) this small goes out with its header(s) in one write
+
+
+def _mac(secret: bytes, role: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, role + nonce, hashlib.sha256).digest()
+
+
+def recv_into(sock, view: memoryview, peer: str) -> None:
+    """Fills `view` from the socket; TransferTimeout when the peer goes silent, PeerLost
+    when its connection ends."""
+    while len(view):
+        try:
+            n = sock.recv_into(view)
+        except socket.timeout:
+            raise TransferTimeout(f"peer {peer} stopped answering mid-message (LinkConfig.timeout_s)") from None
+        except OSError as e:
+            raise PeerLost(f"peer {peer}: connection lost ({e})") from None
+        if n == 0:
+            raise PeerLost(f"peer {peer} closed the connection mid-message")
+        view = view[n:]
+
+
+def recv_exact(sock, n: int, peer: str) -> bytes:
+    """The next n bytes from the socket (see recv_into for the errors)."""
+    buf = bytearray(n)
+    recv_into(sock, memoryview(buf), peer)
+    return bytes(buf)
+
+
+def sendall(sock, data, peer: str) -> None:
+    """Writes all of `data`, with the errors recv_into raises."""
+    try:
+        sock.sendall(data)
+    except socket.timeout:
+        raise TransferTimeout(f"peer {peer} stopped reading (LinkConfig.timeout_s)") from None
+    except OSError as e:
+        raise PeerLost(f"peer {peer}: connection lost ({e})") from None
+
+
+def frame(kind: int, meta: dict) -> bytes:
+    """A frame of `kind` carrying `meta` as its JSON header."""
+    head = json.dumps(meta).encode()
+    return FRAME.pack(MAGIC, kind, len(head)) + head
+
+
+def send_frame(sock, kind: int, meta: dict, peer: str) -> None:
+    """Writes one frame."""
+    sendall(sock, frame(kind, meta), peer)
+
+
+def read_frame(sock, peer: str, idle_ok: bool, timeout_s: float) -> tuple[int, dict]:
+    """(kind, header) of the next frame. With idle_ok the connection may stay silent
+    forever before the frame starts (EOFError if it closes then); timeout_s bounds the rest."""
+    if idle_ok:  # a persistent connection may sit idle between transfers
+        sock.settimeout(None)
+        first = sock.recv(1)
+        if not first:
+            raise EOFError
+        sock.settimeout(timeout_s)
+        raw = first + recv_exact(sock, FRAME.size - 1, peer)
+    else:
+        raw = recv_exact(sock, FRAME.size, peer)
+    magic, kind, n = FRAME.unpack(raw)
+    if magic != MAGIC or n > 1 << 20:
+        raise TransferError(f"peer {peer} sent a frame that is not a hetjax transfer frame")
+    return kind, json.loads(recv_exact(sock, n, peer))
+
+
+def authenticate(conn, secret: bytes, peer: str) -> bool:
+    """The accepting side of the handshake: True once the peer proved the job's secret
+    (and got our proof back); False, logged, when it did not."""
+    nonce = os.urandom(32)
+    conn.sendall(nonce)
+    answer = recv_exact(conn, 64, peer)
+    if not hmac.compare_digest(answer[32:], _mac(secret, b"client", nonce)):
+        log.warning("transfer: refused a connection from %s: it did not prove the job's shared secret", peer)
+        return False
+    conn.sendall(_mac(secret, b"server", answer[:32]))
+    return True
+
+
+def connect(address: str, secret: bytes, timeout_s: float) -> socket.socket:
+    """A connection to `address` ("host:port") on which both sides proved the job's
+    secret; retries while the peer starts, TransferTimeout after timeout_s."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    sock = link.retry(lambda: socket.create_connection((host, int(port)), timeout=timeout_s),  # it may be starting
+                      timeout_s, 0.05, lambda e: TransferTimeout(f"peer {address} did not accept a connection "
+                                                                 f"within {timeout_s:g} s ({e})"))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    nonce = os.urandom(32)
+    challenge = recv_exact(sock, 32, address)
+    sock.sendall(nonce + _mac(secret, b"client", challenge))
+    try:
+        proof = recv_exact(sock, 32, address)
+    except PeerLost:
+        raise TransferError(f"peer {address} refused the connection: the shared secrets differ") from None
+    if not hmac.compare_digest(proof, _mac(secret, b"server", nonce)):
+        raise TransferError(f"peer {address} did not prove the job's shared secret; not sending to it")
+    return sock
