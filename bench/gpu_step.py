@@ -17,12 +17,12 @@ the data-sheet peak is printed above it when the device is in the hardware table
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import statistics
 import sys
 import time
+from hetjax import cli
 
 MODEL_1B = dict(vocab_size=128256, num_layers=16, embed_dim=2048, mlp_dim=8192, num_heads=32,
                 num_kv_heads=8, head_dim=64, rope_theta=500_000.0, dtype="bfloat16",
@@ -47,7 +47,8 @@ def matmul_rate(n: int, dtype, repeats: int = 10) -> float:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n")[0],
+                           example="python -m bench.gpu_step --tiny")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model and matmul")
     p.add_argument("--remat", default="dots", choices=("none", "full", "dots", "dots_no_batch"))
     p.add_argument("--batch", type=int, help="global batch in sequences (default 8; tiny 8)")

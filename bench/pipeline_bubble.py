@@ -1,18 +1,20 @@
 """Pipelined step time against its ideal, measured side by side in one run.
 
-    python -m bench.pipeline_bubble [--stages 2] [--microbatches 8] [--schedule 1f1b]
+    python -m bench.pipeline_bubble [--stages 2] [--microbatches 8] [--schedule 1f1b] [--virtual-stages 2]
 
 The baseline is the unpipelined step of the same model and batch on the same
 number of devices (fsdp = S), so each device does 1/S of the work, as each stage
 does. A perfect pipeline takes that time divided by (1 - predicted bubble). The
 baseline uses per-layer full rematerialisation because the pipeline recomputes
-each stage's forward in its backward: both run the same FLOPs. Prints
-ideal / measured last (1.0 = no overhead beyond the schedule's bubble).
+each stage's forward in its backward: both run the same FLOPs. Measures every
+schedule (and the interleaved ones with --virtual-stages chunks per stage), printing
+each one's predicted and measured bubble and ideal / measured (1.0 = no overhead
+beyond the schedule's bubble); the last line is the default schedule's unpipelined /
+pipelined step time (one minus its measured bubble).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -30,7 +32,9 @@ import jax  # noqa: E402
 
 from hetjax import data, pipeline, program  # noqa: E402
 from hetjax.config import Config, MeshConfig, ModelConfig, OptimConfig, PipelineConfig, validate  # noqa: E402
+from hetjax.pipeline.config import VIRTUAL_SCHEDULES  # noqa: E402
 from hetjax.mesh import make_mesh  # noqa: E402
+from hetjax import cli
 
 
 def build(cfg, devices):
@@ -44,42 +48,54 @@ def build(cfg, devices):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                example="python -m bench.pipeline_bubble --schedule 1f1b_fused")
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedule", default="1f1b", choices=pipeline.KINDS)
+    parser.add_argument("--schedule", choices=pipeline.KINDS, help="only this schedule (default: every one)")
+    parser.add_argument("--virtual-stages", type=int, default=2,
+                        help="chunks per stage of the interleaved variants (1: none)")
     parser.add_argument("--rows", type=int, default=4, help="rows per micro-batch")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
-    S, M = args.stages, args.microbatches
+    S, M, V = args.stages, args.microbatches, args.virtual_stages
     model = ModelConfig(vocab_size=256, num_layers=4 * S, embed_dim=128, mlp_dim=384, num_heads=4,
                         num_kv_heads=2, head_dim=32, rope_theta=10_000.0)
     base = Config(model=dataclasses.replace(model, remat="full"), mesh=MeshConfig(fsdp=S),
                   optim=OptimConfig(warmup_steps=1), batch_size=args.rows * M, seq_len=128, steps=100)
-    piped = dataclasses.replace(base, model=model, mesh=MeshConfig(pipeline=S, fsdp=1),
-                                pipeline=PipelineConfig(args.schedule, M))
-    for cfg in (base, piped):
+    kinds = [args.schedule] if args.schedule else list(pipeline.KINDS)
+    wanted = [(k, 1) for k in kinds] + [(k, V) for k in kinds if V > 1 and k in VIRTUAL_SCHEDULES]
+    default = PipelineConfig()
+    if (default.schedule, default.virtual_stages) not in wanted:
+        wanted.append((default.schedule, default.virtual_stages))
+    configs = {"baseline": base}
+    for kind, v in wanted:
+        configs[kind, v] = dataclasses.replace(base, model=model, mesh=MeshConfig(pipeline=S, fsdp=1),
+                                               pipeline=PipelineConfig(kind, M, virtual_stages=v))
+    for cfg in configs.values():
         validate(cfg)
     devices = jax.devices()[:S]
-    runs = {"baseline": build(base, devices), "pipelined": build(piped, devices)}
-    plan = runs["pipelined"][3]
-    print(plan.describe())
+    runs = {name: build(cfg, devices) for name, cfg in configs.items()}
     times = {k: [] for k in runs}
-    for _ in range(args.repeats):  # alternate: the machine is shared and noisy
-        for name, (fn, state, batch, _) in runs.items():
+    for _ in range(args.repeats):  # interleave: the machine is shared and noisy
+        for name, (fn, state, batch, plan) in runs.items():
             t0 = time.perf_counter()
             state, metrics = fn(state, batch)
             jax.block_until_ready(metrics)
             times[name].append(time.perf_counter() - t0)
-            runs[name] = (fn, state, batch, None)
-    t_base, t_pipe = (statistics.median(times[k]) for k in ("baseline", "pipelined"))
-    bubble = plan.schedule.bubble_fraction(1.0, 3.0)  # backward = recompute + gradient
-    ideal = t_base / (1.0 - bubble)
-    print(f"baseline (fsdp={S}, remat=full): {t_base * 1e3:.1f} ms/step; pipelined "
-          f"({args.schedule}, S={S}, M={M}): {t_pipe * 1e3:.1f} ms/step")
-    print(f"bubble: predicted {bubble:.1%}, measured {1.0 - t_base / t_pipe:.1%}; ideal pipelined "
-          f"step {ideal * 1e3:.1f} ms")
-    print(f"ideal / measured: {ideal / t_pipe:.3f}")
+            runs[name] = (fn, state, batch, plan)
+    t_base = statistics.median(times["baseline"])
+    print(f"baseline (fsdp={S}, remat=full): {t_base * 1e3:.1f} ms/step; S={S}, M={M}")
+    print(f"{'schedule':<22} {'ms/step':>8} {'bubble: predicted':>18} {'measured':>9} {'ideal/measured':>15}")
+    for kind, v in wanted:
+        plan, t_pipe = runs[kind, v][3], statistics.median(times[kind, v])
+        bubble = plan.schedule.bubble_fraction(1.0, 3.0)  # backward = recompute + gradient
+        ideal = t_base / (1.0 - bubble)
+        print(f"{plan.schedule.name:<22} {t_pipe * 1e3:8.1f} {bubble:18.1%} {1.0 - t_base / t_pipe:9.1%} "
+              f"{ideal / t_pipe:15.3f}")
+    t_default = statistics.median(times[default.schedule, default.virtual_stages])
+    print(f"default schedule ({default.schedule}, virtual_stages={default.virtual_stages}) unpipelined / "
+          f"pipelined step time: {t_base / t_default:.3f}")
     return 0
 
 

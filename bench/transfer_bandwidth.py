@@ -12,6 +12,9 @@ from hetjax.transfer import probe
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:  # the options are the probe's
+        print(__doc__.strip() + "\n\nOptions: those of python -m hetjax.transfer.probe (its --help).")
+        return
     rows = {r["backend"]: r for r in probe.main(["--mib", "256", "--backends", "raw,host,direct"] + argv)}
     if "direct" in rows:
         print(f"direct / raw: {rows['direct']['gbps'] / rows['raw']['gbps']:.3f}")

@@ -24,6 +24,7 @@ and the previous one is used.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
@@ -37,9 +38,13 @@ from hetjax.checkpoint_config import CheckpointConfig
 from hetjax.errors import ConfigError
 from hetjax.state import TrainState
 from hetjax.errors import CheckpointError, CorruptCheckpoint  # noqa: F401 - raised here, caught by callers
-from hetjax.repro.digest import leaf_checksums, params_checksum, path_name
+from hetjax.repro.digest import leaf_checksums, params_checksum, path_name, start_leaf_checksums
 
 CORRUPT_DIR = "corrupt"  # sibling of the checkpoint directory: damaged steps go here
+
+# orbax warns on every read-only open that the directory is read only: hetjax asked for it.
+logging.getLogger("absl").addFilter(
+    lambda record: not str(record.msg).startswith("Given directory is read only"))
 
 
 # ---------------------------------------------------------------------------
@@ -54,10 +59,35 @@ class Restored:
     meta: dict
 
 
+class _LaterJsonHandler(ocp.JsonCheckpointHandler):
+    """A JSON item that may be given as a function, called in orbax's writing thread:
+    the checkpoint's checksums are finished there, off the training loop's thread, and
+    still committed with the step (one atomic rename). Reads as a plain JSON item."""
+
+    async def _save_fn(self, x, directory):
+        await super()._save_fn(x() if callable(x) else x, directory)
+
+
+@ocp.args.register_with_handler(_LaterJsonHandler, for_save=True)
+@dataclasses.dataclass
+class _LaterJsonSave(ocp.args.JsonSave):
+    """JsonSave whose item may be a function of no arguments (see _LaterJsonHandler)."""
+
+
+@ocp.args.register_with_handler(_LaterJsonHandler, for_restore=True)
+@dataclasses.dataclass
+class _LaterJsonRestore(ocp.args.JsonRestore):
+    pass
+
+
+def _json_restore(item: str):
+    return _LaterJsonRestore() if item == "meta" else ocp.args.JsonRestore()
+
+
 def _handlers() -> dict:
     # Named up front so that a fresh process can read metadata before any restore.
     return {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
-            **{k: ocp.JsonCheckpointHandler() for k in ("data", "config", "meta")}}
+            **{k: ocp.JsonCheckpointHandler() for k in ("data", "config")}, "meta": _LaterJsonHandler()}
 
 
 class Manager:
@@ -74,8 +104,11 @@ class Manager:
         options = ocp.CheckpointManagerOptions(
             preservation_policy=None if read_only else keep_policy.AnyPreservationPolicy(policies),
             enable_async_checkpointing=cfg.async_save,
+            enable_background_delete=cfg.async_save,  # old steps are deleted off the loop's thread too
             read_only=read_only,
             create=not read_only,
+            # orbax warns on each read-only open that it turns saving off: it is off already
+            **({"save_interval_steps": 0} if read_only else {}),
         )
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
@@ -84,6 +117,10 @@ class Manager:
                 f"cannot use checkpoint directory {self.directory}: {e}; set config.checkpoint.dir "
                 f"(or config.run_dir) to a writable directory") from e
         self._pending: int | None = None
+        self._reported = False  # a save failure was raised already
+        self._causes = _FirstError(str(self.directory))
+        if not read_only:  # orbax's writing threads log their errors (removed in close())
+            logging.getLogger().addHandler(self._causes)
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -95,21 +132,30 @@ class Manager:
         """Starts an asynchronous save of `state` as checkpoint `step`. Raises
         CheckpointError if this save or the previous asynchronous one failed."""
         self._raise_pending_errors()
-        checksums = leaf_checksums({"params": state.params, "opt_state": state.opt_state})
-        params_hashes = {k.removeprefix("params/"): v for k, v in checksums.items() if k.startswith("params/")}
-        meta = {"step": step, "params_checksum": params_checksum(state.params, params_hashes),
-                "checksums": checksums, "time": time.time()}
+        # The loop waits only for the copy off the devices (orbax's save below): the
+        # checksums are dispatched now and finished in orbax's writing thread.
+        finish = start_leaf_checksums({"params": state.params, "opt_state": state.opt_state})
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
+        started = time.time()
+
+        def meta() -> dict:
+            checksums = finish()
+            params_hashes = {k.removeprefix("params/"): v for k, v in checksums.items() if k.startswith("params/")}
+            return {"step": step, "params_checksum": params_checksum(shapes, params_hashes),
+                    "checksums": checksums, "time": started}
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params),
             opt_state=ocp.args.StandardSave(state.opt_state),
             data=ocp.args.JsonSave(dict(data_state)),
             config=ocp.args.JsonSave(config),
-            meta=ocp.args.JsonSave(meta),
+            meta=_LaterJsonSave(meta),
         )
         try:
             self._manager.save(step, args=args, force=True)
         except Exception as e:
-            raise self._save_error(step, e) from e
+            # orbax first finishes the previous save: its failure is that step's.
+            failed, self._pending = self._pending or step, None
+            raise self._save_error(failed, e) from e
         self._pending = step
         if not self.cfg.async_save:
             self.wait()
@@ -126,6 +172,7 @@ class Manager:
             step, self._pending = self._pending, None
             raise self._save_error(step, RuntimeError("the step directory was not committed"))
         self._pending = None
+        self._causes.clear()  # all committed: what orbax logged before is no cause of a later failure
 
     def _on_disk(self) -> list[int]:
         self._manager.reload()
@@ -140,16 +187,30 @@ class Manager:
                 raise self._save_error(step, e) from e
 
     def _save_error(self, step, error) -> CheckpointError:
-        good = [s for s in self._on_disk() if s != step]
+        """The error to raise for a failed save: the first cause orbax logged from its
+        writing threads (it often raises only a generic one), the checkpoint kept, and
+        a hint that fits the cause. Never raises itself: it only lists step directories."""
+        self._reported = True
+        cause = _root_cause(error) or self._causes.first() or f"{type(error).__name__}: {error}"
+        self._causes.clear()
+        try:
+            good = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and int(p.name) != step]
+        except OSError:
+            good = []
         kept = f"the previous checkpoint (step {max(good)}) is untouched" if good else "no earlier checkpoint exists"
-        return CheckpointError(
-            f"saving checkpoint step {step} to {self.directory} failed: {type(error).__name__}: "
-            f"{error}; {kept}. Free disk space or fix the permissions of config.checkpoint.dir")
+        return CheckpointError(f"saving checkpoint step {step} to {self.directory} failed: {cause}; {kept}. "
+                               f"{_hint(cause)}")
 
     def close(self) -> None:
+        """Waits for the last save and releases orbax; after a save failure was already
+        raised, the same failure is not raised again (it would hide the first report)."""
         try:
             self.wait()
+        except CheckpointError:
+            if not self._reported:
+                raise
         finally:
+            logging.getLogger().removeHandler(self._causes)
             self._manager.close()
 
     # -- restoring ---------------------------------------------------------
@@ -179,7 +240,7 @@ class Manager:
         """The JSON items (meta, data, config) of checkpoint `step`, by name."""
         try:
             return self._manager.restore(step, args=ocp.args.Composite(
-                **{k: ocp.args.JsonRestore() for k in items}))
+                **{k: _json_restore(k) for k in items}))
         except Exception as e:
             raise CorruptCheckpoint(f"{self.where(step)} is unreadable ({type(e).__name__}: {e})") from e
 
@@ -195,7 +256,10 @@ class Manager:
             loaded = self._manager.restore(step, args=ocp.args.Composite(
                 **{k: ocp.args.StandardRestore(aot.abstract(a, s)) for k, (a, s) in arrays.items()}))
         except Exception as e:
-            raise CorruptCheckpoint(f"{where} is unreadable ({type(e).__name__}: {e})") from e
+            message = f"{where} is unreadable ({type(e).__name__}: {e})"
+            _drop_abandoned_reads(e)
+            del e
+            raise CorruptCheckpoint(message) from None
         expected = {k: v for k, v in small.meta.get("checksums", {}).items() if k.split("/")[0] in arrays}
         verify(expected, {k: loaded[k] for k in arrays}, where)
         return small, loaded
@@ -222,6 +286,47 @@ class Manager:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"hetjax checkpoint {step} moved aside")
         self._manager.reload()
+
+
+class _FirstError(logging.Handler):
+    """Keeps the first error logged (by orbax's background threads) about `directory`."""
+
+    def __init__(self, directory: str):
+        super().__init__(logging.ERROR)
+        self.directory, self._first = directory, None
+
+    def emit(self, record) -> None:
+        if self._first is None:
+            text = record.getMessage()
+            if " raised an exception: " in text or self.directory in text:
+                self._first = text.split(" raised an exception: ", 1)[-1]
+
+    def first(self) -> str | None:
+        return self._first
+
+    def clear(self) -> None:
+        self._first = None
+
+
+def _root_cause(error: BaseException) -> str | None:
+    """The innermost OSError in `error`'s chain (orbax wraps it in its own errors)."""
+    found, seen = None, set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError):
+            found = error
+        error = error.__cause__ or error.__context__
+    return None if found is None else f"{type(found).__name__}: {found}"
+
+
+def _hint(cause: str) -> str:
+    low = cause.lower()
+    if any(k in low for k in ("no space", "file too large", "quota", "errno 28", "errno 27")):
+        return ("Free disk space (or raise the file size limit, `ulimit -f`) for "
+                "config.checkpoint.dir, or point it elsewhere")
+    if any(k in low for k in ("permission", "read-only", "errno 13", "errno 30")):
+        return "Fix the permissions of config.checkpoint.dir, or point it at a writable directory"
+    return "Fix the cause above, or point config.checkpoint.dir at another directory"
 
 
 def check_shapes(saved_tree, abstract, where: str, saved_config: dict | None = None) -> None:
@@ -284,16 +389,19 @@ def load_params(path: str | Path, abstract_params, param_shardings, log=print):
     directory, step = find_checkpoint_dir(path)
     manager = Manager(directory, read_only=True)
     errors = []
-    for s in reversed(manager.steps() if step is None else [step]):
-        where = manager.where(s)
-        try:
-            small, arrays = manager.read(s, {"params": (abstract_params, param_shardings)})
-        except CorruptCheckpoint as e:
-            log(f"warning: {e}; trying an older one")
-            errors.append(str(e))
-            continue
-        log(f"initialised the parameters from {where} (checksum {small.meta.get('params_checksum')})")
-        return arrays.params
+    try:  # closed, so that no orbax thread or logging handler outlives the read
+        for s in reversed(manager.steps() if step is None else [step]):
+            where = manager.where(s)
+            try:
+                small, arrays = manager.read(s, {"params": (abstract_params, param_shardings)})
+            except CorruptCheckpoint as e:
+                log(f"warning: {e}; trying an older one")
+                errors.append(str(e))
+                continue
+            log(f"initialised the parameters from {where} (checksum {small.meta.get('params_checksum')})")
+            return arrays.params
+    finally:
+        manager.close()
     raise CheckpointError(f"config.init_from={str(path)!r}: no readable checkpoint ({errors or 'none found'})")
 
 
@@ -307,3 +415,20 @@ def fresh_state(params, tx, shardings: TrainState) -> TrainState:
 def default_dir(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
 
+
+def _drop_abandoned_reads(error: BaseException) -> None:
+    """A failed orbax restore leaves its other shard reads unfinished, held by the error's
+    traceback; each raises the same damage again when collected, into whichever code (or
+    test) runs then. Finish them now, their repeats of the damage (reported once, by the
+    caller) dropped."""
+    import gc
+    import sys
+    import traceback
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        traceback.clear_frames(error.__traceback__)
+        error.__traceback__ = error.__cause__ = error.__context__ = None
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook

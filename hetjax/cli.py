@@ -7,11 +7,12 @@ and wraps its main in `run_main`, so all of them read and fail the same way.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import sys
 
-from hetjax.errors import ConfigError, HetjaxError
+from hetjax.errors import ConfigError, HetjaxError, MissingExtra
 
 
 @dataclasses.dataclass
@@ -92,3 +93,40 @@ def parse_command_line(argv: list[str], flags: tuple[str, ...] = ("compile_only"
     if not name:
         raise ConfigError("--config is required, e.g. --config configs/tiny.py")
     return CommandLine(name, overrides, options=values, **{f: f in seen for f in flags})
+
+
+def need(module: str, extra: str, what: str):
+    """`module` imported, or a MissingExtra saying which extra of hetjax installs it (for `what`)."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingExtra(f"{what} needs {module.split('.')[0]}, which is not installed: "
+                           f"pip install 'hetjax[{extra}]'") from None
+
+
+def alias(option: str, known) -> str:
+    """`--a-b` for `--a_b` (or back) when only the other spelling is a known option."""
+    key, eq, value = option.partition("=")
+    if not key.startswith("--") or key in known or key.startswith("--config."):
+        return option
+    for other in ("--" + key[2:].replace("-", "_"), "--" + key[2:].replace("_", "-")):
+        if other in known:
+            return other + eq + value
+    return option
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with hetjax's conventions: `example` closes --help, and an option is
+    accepted with dashes or underscores (`--max_shard_gb` or `--max-shard-gb`)."""
+
+    def __init__(self, *args, example: str | None = None, **kwargs):
+        if example:
+            kwargs["epilog"] = "example:\n  " + example.strip().replace("\n", "\n  ")
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        known = self._option_string_actions
+        return super().parse_known_args([alias(a, known) for a in args], namespace)

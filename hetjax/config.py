@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -27,7 +28,7 @@ from hetjax.hetero.config import (PLACEMENTS, PLATFORMS, HeteroConfig, IslandCon
                                   validate_hetero)
 from hetjax.mesh import MESH_AXES, MeshConfig, validate_mesh
 from hetjax.models.llama import ModelConfig, validate_model
-from hetjax.optim import OptimConfig
+from hetjax.optim import OptimConfig, validate_optim
 from hetjax.pipeline.config import PIPELINE_SCHEDULES, PipelineConfig, validate_pipeline
 from hetjax.sharding import DEFAULT_RULES, ShardingConfig, validate_sharding
 from hetjax.transfer.link import BACKENDS, CHECKSUMS, LinkConfig
@@ -149,9 +150,13 @@ def _parse(key: str, text: str, typ) -> Any:
                 raise ValueError
             if typ is int and value != int(value):
                 raise ValueError
-            return typ(value)
-        except (ValueError, SyntaxError):
-            pass
+            value = typ(value)
+        except (ValueError, SyntaxError, OverflowError):
+            value = _nonfinite(text) if typ is float else None
+        if value is not None:
+            if not math.isfinite(value):
+                raise ConfigError(f"--config.{key}={text!r}: not finite; give a finite number")
+            return value
     elif typ is tuple or typing.get_origin(typ) is tuple:
         try:
             value = ast.literal_eval(text)
@@ -160,7 +165,17 @@ def _parse(key: str, text: str, typ) -> Any:
         except (ValueError, SyntaxError):
             pass
     name = getattr(typ, "__name__", str(typ))
-    raise ConfigError(f"--config.{key}={text!r}: expected a {name}")
+    article = "an" if name[:1] in "aeiou" else "a"
+    raise ConfigError(f"--config.{key}={text!r}: expected {article} {name}")
+
+
+def _nonfinite(text: str) -> float | None:
+    # `nan`, `inf`, `-Infinity`: Python names, not literals, but someone will type them.
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return None if math.isfinite(value) else value
 
 
 def _tuplify(value):
@@ -192,6 +207,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"config.batch_size={cfg.batch_size} is not divisible by "
             f"config.optim.grad_accum_steps={cfg.optim.grad_accum_steps}")
+    _validate_finite(cfg)
+    validate_optim(cfg.optim)
     validate_mesh(cfg.mesh)
     validate_pipeline(cfg)
     validate_sharding(cfg.sharding, cfg.model.dims())
@@ -203,6 +220,16 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config.fingerprint_every={cfg.fingerprint_every}: use 0 (first and last "
                           f"step only) or a positive step count")
     _validate_profile_steps(cfg.profile_steps)
+
+
+def _validate_finite(section, prefix: str = "config") -> None:
+    # A config file's float('nan') or 1e999 is refused here as an override's is in _parse.
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            _validate_finite(value, f"{prefix}.{f.name}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}.{f.name}={value}: not finite; give a finite number")
 
 
 def _validate_profile_steps(text: str) -> None:

@@ -12,7 +12,6 @@ step 0 of a checkpoint directory that `--config.init_from=OUT_DIR` starts from.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -24,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
-from hetjax import checkpoint, safetensors_io
+from hetjax import checkpoint, cli, safetensors_io
 from hetjax.repro import digest
 from hetjax.errors import ConfigError
 from hetjax.models.llama import ModelConfig
@@ -164,7 +163,7 @@ def _layers(e: Entry, m: ModelConfig) -> list:
 
 def import_hf(hf_dir: Path, out_dir: Path, param_dtype: str = "float32", log=print) -> ModelConfig:
     """Writes step 0 of an orbax checkpoint directory holding the HF model's weights."""
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    hf_dir, out_dir = Path(hf_dir).absolute(), Path(out_dir).absolute()  # orbax takes absolute paths only
     if not (hf_dir / "config.json").exists():
         raise ConvertError(f"{hf_dir}: no config.json; give a Hugging Face model directory")
     hf_config = json.loads((hf_dir / "config.json").read_text())
@@ -213,10 +212,13 @@ def import_hf(hf_dir: Path, out_dir: Path, param_dtype: str = "float32", log=pri
 def export_hf(ckpt: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
               log=print) -> list[Path]:
     """Writes config.json and safetensors shards from the parameters of an orbax checkpoint."""
-    directory, step = checkpoint.find_checkpoint_dir(ckpt)
+    directory, step = checkpoint.find_checkpoint_dir(Path(ckpt).absolute())  # orbax: absolute paths only
     manager = checkpoint.Manager(directory, read_only=True)
-    step = max(manager.steps()) if step is None else step
-    small = manager.read_json(step, "meta", "config")
+    try:
+        step = max(manager.steps()) if step is None else step
+        small = manager.read_json(step, "meta", "config")
+    finally:
+        manager.close()
     m = ModelConfig(**small.config["model"])
     plan = entries(m)
     out_dtype = _np_dtype(dtype)
@@ -238,11 +240,23 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes
             for i in _layers(e, m):
                 yield e.to_hf(x if i is None else x[i]).astype(out_dtype)
 
-    out_dir = Path(out_dir)
-    paths = safetensors_io.write_dir(out_dir, specs, tensors(), max_shard_bytes)
-    hf = hf_config_from_model(m, dtype, small.meta.get("hf_config"))
-    (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    return paths
+    # Everything is written under a staging name and moved into place at the end,
+    # config.json last: a failed export leaves no file that looks complete.
+    out_dir = Path(out_dir).absolute()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = out_dir / ".export.partial"
+    shutil.rmtree(staging, ignore_errors=True)  # ours: an export that died midway
+    try:
+        paths = safetensors_io.write_dir(staging, specs, tensors(), max_shard_bytes)
+        hf = hf_config_from_model(m, dtype, small.meta.get("hf_config"))
+        (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    for name in sorted((p.name for p in staging.iterdir()), key=lambda n: n == "config.json"):
+        (staging / name).replace(out_dir / name)
+    staging.rmdir()
+    return [out_dir / p.name for p in paths]
 
 
 def _leaf(tree, path):
@@ -258,7 +272,9 @@ def _np_dtype(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hetjax.convert", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m hetjax.convert", description=__doc__.split("\n\n")[0],
+                           example="python -m hetjax.convert import path/to/Llama-3.1-8B runs/llama8b-hf\n"
+                                   "python -m hetjax.convert export runs/my-run hf-out --dtype bfloat16 --max_shard_gb 5")
     sub = p.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="HF directory -> orbax checkpoint directory (step 0)")
     imp.add_argument("hf_dir", type=Path)

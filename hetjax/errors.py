@@ -35,6 +35,10 @@ class ArtifactMismatch(ConfigError):
     """An exported program was made for another platform, mesh or config."""
 
 
+class MissingExtra(ConfigError, ImportError):
+    """An optional dependency is not installed: names the extra that installs it."""
+
+
 class ConvertError(HetjaxError, ValueError):
     """A Hugging Face model or checkpoint that cannot be converted (names the tensor)."""
 

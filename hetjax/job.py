@@ -3,14 +3,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
+import jax
+import numpy as np
+
 from hetjax import checkpoint, memory, metrics, program, repro, sharding
 from hetjax.mesh import describe, make_mesh
+from hetjax.pipeline.stages import StageLayout, permute_layers
 
 
 class Checkpoints(Protocol):
@@ -112,6 +117,8 @@ class MeshJob:
             return
         self.run_dir = Path(cfg.run_dir)
         self.checkpoints = checkpoint.Manager(checkpoint.default_dir(cfg), cfg.checkpoint)
+        if prog.plan is not None and prog.plan.layout.virtual > 1:
+            self.checkpoints = ModelOrderCheckpoints(self.checkpoints, prog.plan.layout, prog.state_shardings)
         # Resume the run's own checkpoint if it has one (same run_dir, no flag); else
         # start from config.init_from's weights; else initialise.
         restored = self.checkpoints.restore_latest(prog.state, prog.state_shardings, log)
@@ -121,6 +128,8 @@ class MeshJob:
                 f"(parameter checksum {restored.meta.get('params_checksum')})")
         elif cfg.init_from:
             params = checkpoint.load_params(cfg.init_from, prog.state.params, prog.state_shardings.params)
+            if isinstance(self.checkpoints, ModelOrderCheckpoints):
+                params = self.checkpoints.to_pipeline(params, prog.state_shardings.params)
             self.state, self.start = checkpoint.fresh_state(params, prog.tx, prog.state_shardings), cfg.data.start_step
         else:
             self.state, self.start = prog.init_state(), cfg.data.start_step
@@ -161,3 +170,32 @@ class MeshJob:
 
     def close(self) -> None:
         pass
+
+
+class ModelOrderCheckpoints:
+    """An interleaved pipeline's checkpoints (config.pipeline.virtual_stages > 1), kept in
+    the model's layer order. Its stacked layers are a permutation of the model's with the
+    same shapes, so a checkpoint in that order would restore into any other layout without
+    an error and with its layers scrambled; saved in model order, it is interchangeable
+    with every layout's (as the unpipelined and uninterleaved ones are)."""
+
+    def __init__(self, manager: checkpoint.Manager, layout: StageLayout, shardings):
+        self._manager = manager
+        self._source = layout.source()  # the model layer at each pipeline position
+        self._to_model = jax.jit(lambda s: permute_layers(s, np.argsort(self._source)), out_shardings=shardings)
+
+    def __getattr__(self, name):  # everything but save and restore_latest is the manager's
+        return getattr(self._manager, name)
+
+    def to_pipeline(self, tree, shardings):
+        """A tree in the model's layer order (a state or parameters) in the pipeline's."""
+        return jax.jit(lambda t: permute_layers(t, self._source), out_shardings=shardings)(tree)
+
+    def save(self, step: int, state, data_state: dict, config: dict) -> None:
+        self._manager.save(step, self._to_model(state), data_state, config)
+
+    def restore_latest(self, abstract_state, shardings, log=print):
+        restored = self._manager.restore_latest(abstract_state, shardings, log)
+        if restored is None:
+            return None
+        return dataclasses.replace(restored, state=self.to_pipeline(restored.state, shardings))

@@ -56,6 +56,9 @@ def peak_flops(cfg, devices) -> tuple[float, str]:
     return math.nan, f"unknown device kind {kind!r}: set config.peak_tflops"
 
 
+BAR_KEYS = ("loss", "eval_loss", "mfu")  # the progress bar's postfix: 80 columns hold these
+
+
 class Writer:
     """Writes each step's scalars to metrics.jsonl and TensorBoard; shows progress."""
 
@@ -76,17 +79,30 @@ class Writer:
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)
-        text = " ".join(f"{k}={v:.4g}" for k, v in scalars.items())
+        first = sorted(scalars, key=lambda k: k not in ("loss", "eval_loss"))  # the loss leads
+        text = " ".join(f"{k}={scalars[k]:.4g}" for k in first)
         if self.bar is not None:
+            # The bar keeps to what fits 80 columns; the full line of every log_every-th
+            # step goes above it, into the terminal's scrollback.
             self.bar.n = step + 1
-            self.bar.set_postfix_str(text, refresh=True)
+            self.bar.set_postfix_str(" ".join(f"{k}={scalars[k]:.4g}" for k in first if k in BAR_KEYS),
+                                     refresh=True)
+            if echo:
+                self.bar.write(f"step {step}: {text}", file=sys.stderr)
         elif echo:
             print(f"step {step}: {text}", flush=True)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Closes the files; never blocks for more than `timeout_s`: tensorboardX's close
+        joins its event thread, which a signal landing inside its queue can leave stuck."""
         self.jsonl.close()
         if self.tb is not None:
-            self.tb.close()
+            closer = threading.Thread(target=self.tb.close, daemon=True, name="hetjax-tensorboard-close")
+            closer.start()
+            closer.join(timeout_s)
+            if closer.is_alive():
+                print(f"warning: TensorBoard's writer did not close in {timeout_s:g}s; its last events "
+                      f"may be missing (metrics.jsonl is complete)", file=sys.stderr, flush=True)
         if self.bar is not None:
             self.bar.close()
 

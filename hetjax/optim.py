@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import optax
 from flax import nnx
+
+from hetjax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +26,23 @@ class OptimConfig:
     weight_decay: float = 0.1  # never applied to norms and biases
     grad_clip_norm: float = 1.0  # 0 disables clipping
     grad_accum_steps: int = 1  # micro-batches per step (the batch is split evenly)
+
+
+def validate_optim(cfg: OptimConfig) -> None:
+    """Refuses rates and coefficients that would train silently wrong (or diverge at
+    step 1) before anything is compiled."""
+    for name in ("learning_rate", "min_lr_ratio", "b1", "b2", "eps", "weight_decay", "grad_clip_norm"):
+        value = getattr(cfg, name)
+        if not math.isfinite(value):
+            raise ConfigError(f"config.optim.{name}={value}: not finite; give a finite number")
+        if value < 0:
+            raise ConfigError(f"config.optim.{name}={value}: must not be negative")
+    for name in ("b1", "b2"):
+        if getattr(cfg, name) >= 1:
+            raise ConfigError(f"config.optim.{name}={getattr(cfg, name)}: must be in [0, 1) (e.g. 0.9)")
+    for name in ("warmup_steps", "decay_steps"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"config.optim.{name}={getattr(cfg, name)}: must not be negative")
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

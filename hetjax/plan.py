@@ -11,16 +11,17 @@ sweep, OUT/plan.png). Allocates no parameters.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from hetjax import cli as cli_lib
 from hetjax.compile import backend, cli, hardware
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetjax.plan", description=__doc__.split("\n")[0])
+    parser = cli_lib.ArgumentParser(prog="python -m hetjax.plan", description=__doc__.split("\n")[0],
+                                    example='python -m hetjax.plan --config tiny --devices 8 --mesh "fsdp=8;data=2,fsdp=4"')
     parser.add_argument("--devices", type=int, help="device count (default: config.mesh)")
     parser.add_argument("--mesh", action="append", default=[],
                         help="AXIS=SIZE,... (repeat, or separate meshes by ';'); default config.mesh")
@@ -31,6 +32,8 @@ def main(argv: list[str]) -> int:
     devices = cli.device_count(cfg, ns.devices)
     texts = [m for arg in ns.mesh for m in arg.split(";") if m.strip()]
     meshes = [plan.parse_mesh(t, devices) for t in texts] or [cfg.mesh]
+    if len(meshes) > 1:  # before compiling anything: a sweep ends with its plot
+        cli_lib.need("matplotlib", "plot", "python -m hetjax.plan's sweep (plan.png)")
     names = [hardware.get(h.strip()).name for h in ns.hardware.split(",")]
     backend.virtual_cpu_devices(devices)
     import dataclasses

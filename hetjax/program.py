@@ -85,6 +85,7 @@ def build(cfg, mesh: Mesh) -> Program:
     plan = make_plan(cfg, mesh)  # None unless config.mesh.pipeline > 1
     r = rules(cfg, plan)
     sharding.check_divisible(dims(cfg, plan), r, mesh)
+    sharding.check_batch_divisible(cfg.batch_size, cfg.seq_len, r, mesh)  # the inputs' shardings
     tx = optim.make_optimizer(cfg.optim, cfg.steps)
     graphdef, state = abstract_state(cfg, tx, plan)
     layouts = sharding.param_layouts(state.params, mesh, r)
@@ -101,13 +102,13 @@ def dims(cfg, plan: Plan | None) -> dict:
     """ModelConfig.dims() with `layers` as the pipeline layout holds them (padded)."""
     out = cfg.model.dims()
     if plan is not None:
-        out["layers"] = ("pipeline.stage_layers (padded)", plan.stages * plan.layout.per_stage)
+        out["layers"] = ("pipeline.stage_layers (padded)", len(plan.layout.source()))
     return out
 
 
 def abstract_state(cfg, tx, plan: Plan | None) -> tuple[nnx.GraphDef, TrainState]:
     """(graphdef, TrainState of ShapeDtypeStructs) in the layout `plan` holds them."""
-    if plan is None or not plan.layout.padded:
+    if plan is None or not plan.layout.reordered:
         return state_lib.abstract_state(cfg.model, cfg.seed, tx)
     graphdef, _ = state_lib.abstract_state(cfg.model, cfg.seed, tx)
     return graphdef, jax.eval_shape(lambda: _init_padded(cfg, tx, plan))
@@ -121,7 +122,7 @@ def _init_padded(cfg, tx, plan: Plan) -> TrainState:
 
 def init_state(cfg, tx, shardings: TrainState, plan: Plan | None = None) -> TrainState:
     """The same initial weights as the unpipelined model, in the layout `plan` holds them."""
-    if plan is None or not plan.layout.padded:
+    if plan is None or not plan.layout.reordered:
         return state_lib.create_state(cfg.model, cfg.seed, tx, shardings)
     return jax.jit(lambda: _init_padded(cfg, tx, plan), out_shardings=shardings)()
 

@@ -220,3 +220,23 @@ def check_divisible(dims: dict[str, tuple[str, int]], rules, mesh: Mesh) -> None
                 f"config.{field}={size} does not split over {sizes} (config.sharding.rules maps "
                 f"{logical!r} to {axes}); make the mesh axes divide {size}, or map {logical!r} "
                 f"to other mesh axes")
+
+
+def check_batch_divisible(batch_size: int, seq_len: int, rules, mesh: Mesh) -> None:
+    """The global batch must split evenly over the mesh axes that `batch` maps to, and
+    seq_len over those of `length` (the step's input shardings need it): a ConfigError
+    naming the sizes, the axes and the nearest valid values, not a JAX IndivisibleError
+    once compiling has started. (Micro-batches inside the step may split unevenly.)"""
+    table = dict(rules)
+    for logical, field, size in (("batch", "batch_size", batch_size), ("length", "seq_len", seq_len)):
+        target = table.get(logical)
+        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        unit = math.prod(mesh.shape[a] for a in axes)
+        if size % unit == 0:
+            continue
+        below, above = size // unit * unit, (size // unit + 1) * unit
+        nearest = f"{below} or {above}" if below else f"{above}"
+        over = " x ".join(f"config.mesh.{a}={mesh.shape[a]}" for a in axes)
+        raise ConfigError(
+            f"config.{field}={size} does not split evenly over {over} (config.sharding.rules maps "
+            f"{logical!r} to {axes}): it must be a multiple of {unit}; nearest valid values: {nearest}")

@@ -2,14 +2,14 @@
 
 With config.hetero.islands the job spans islands (hetjax/hetero); the loop below is
 the same for one mesh and for islands. Restarted with the same run directory, it resumes from the newest good checkpoint
-(model, optimizer and data iterator); SIGTERM saves one and exits with 143. With
+(model, optimizer and data iterator); SIGTERM or Ctrl-C saves one and exits with 143
+or 130 (hetjax/stop.py; a second Ctrl-C exits at once). With
 `--compile_only`, it lowers and compiles the step on the configured mesh with
 abstract inputs and prints the compiler's memory and FLOP figures instead.
 """
 
 from __future__ import annotations
 
-import signal
 import sys
 
 import jax
@@ -18,7 +18,7 @@ import numpy as np
 from hetjax import checkpoint
 from hetjax import cli as cli_lib  # `cli` below is the console script's entry point
 from hetjax import config as config_lib
-from hetjax import data, memory, metrics, repro
+from hetjax import data, memory, metrics, repro, stop as stop_lib
 from hetjax.compile import aot, backend
 from hetjax.hetero import job as hetero_job
 from hetjax.job import Job, MeshJob
@@ -26,7 +26,7 @@ from hetjax.profiler import Profiler
 from hetjax.errors import TrainingDiverged
 
 
-PREEMPTED = 143  # exit status after SIGTERM: 128 + 15, as if the signal had killed us
+PREEMPTED = stop_lib.PREEMPTED  # exit status after SIGTERM (130 after Ctrl-C)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,8 +58,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {key:>22}: {unit} per device")
         print(f"  {'model_flops':>22}: {mesh_job.flops_per_step():.4g} per step (6N + attention)")
         return 0
-    job: Job = (hetero_job.IslandsJob(cfg, dataset, settings, log) if cfg.hetero.islands
-                else MeshJob(cfg, dataset, log=log))
+    signals = stop_lib.StopSignals().install()  # a Ctrl-C while compiling stops after the first step
+    try:
+        job: Job = (hetero_job.IslandsJob(cfg, dataset, settings, log) if cfg.hetero.islands
+                    else MeshJob(cfg, dataset, log=log))
+    except BaseException:
+        signals.close()
+        raise
+    signals.attach(job)
     state, start, batches, ckpt = job.state, job.start, job.batches, job.checkpoints
     flops_per_step, peak = job.flops_per_step(), job.peak
     floor = "" if dataset.floor is None else f"; its best possible loss is {dataset.floor:.4f}"
@@ -108,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     def save(s):
         flush()  # every step before a checkpoint is in metrics.jsonl
         ckpt.save(s, state, batches.get_state(), config_lib.to_dict(cfg))
+        clock.resume(s)  # the save's blocking part is not step s's time
 
-    previous_handler = signal.signal(signal.SIGTERM, lambda *_: job.request_stop())
     try:
         previous = None
         if recorder.due(start):
@@ -138,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                 save(s + 1)
             if stop:
                 ckpt.wait()
-                print(f"preempted (SIGTERM): saved step {s + 1} in {ckpt.directory}", flush=True)
-                return PREEMPTED
+                status, line = signals.exit_line(s + 1, ckpt.directory)
+                print(line, flush=True)
+                return status
         flush()
         if cfg.eval_every and cfg.steps % cfg.eval_every and start < cfg.steps:
             evaluate(cfg.steps - 1)
@@ -149,17 +156,21 @@ def main(argv: list[str] | None = None) -> int:
         profiler.close()
         clock.close()
         batches.close()
-        signal.signal(signal.SIGTERM, previous_handler)
         writer.close()
         recorder.close()
         ckpt.close()
         job.close()
+        signals.close()  # last: a second Ctrl-C while closing still exits at once
     print(f"done: {cfg.steps} steps; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
     return 0
 
 
 def cli() -> int:
-    return cli_lib.run_main(main)  # ConfigError: exit 2; any other HetjaxError: exit 1
+    try:
+        return cli_lib.run_main(main)  # ConfigError: exit 2; any other HetjaxError: exit 1
+    except KeyboardInterrupt:  # Ctrl-C before the job could save anything
+        print("interrupted (Ctrl-C) before training started; nothing was saved", file=sys.stderr)
+        return stop_lib.INTERRUPTED
 
 
 if __name__ == "__main__":

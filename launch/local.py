@@ -31,6 +31,7 @@ from pathlib import Path
 
 from hetjax import cli as cli_lib  # `cli` below is the console entry point
 from hetjax import config as config_lib
+from hetjax.compile import backend
 from hetjax.config import Config, ConfigError
 from hetjax.hetero import runtime, scheduler
 from hetjax.hetero.placement import proportional
@@ -187,6 +188,7 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
     if unknown:
         raise ConfigError(f"island_overrides names {sorted(unknown)}, not islands of config.hetero.islands "
                           f"({', '.join(islands)})")
+    _check_platforms(cfg, stand_in)
     command = [sys.executable, "-m", "hetjax.train"] if command is None else list(command)
     logs = Path(cfg.run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -240,6 +242,19 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     return status
+
+
+def _check_platforms(cfg: Config, stand_in: str) -> None:
+    """One ConfigError before any process starts, instead of a JAX traceback per island,
+    when an island's platform cannot start here."""
+    plugins = backend.installed_plugins()
+    for k, island in enumerate(cfg.hetero.islands):
+        why = backend.unavailable(stand_in or island.platform, plugins)
+        if why:
+            raise ConfigError(
+                f"config.hetero.islands[{k}] ({island.name}) runs on platform {island.platform!r}, but "
+                f"{why} on this machine; run it elsewhere, or try the job here with CPU stand-ins: "
+                f"--stand_in cpu")
 
 
 def _supervise(procs: list[Process], timeout_s: float, stop: list, say) -> int:

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import subprocess
@@ -87,6 +88,52 @@ def test_sigkill_and_sigterm_then_resume_give_the_same_losses_bit_for_bit(tmp_pa
     assert [r["loss"] for r in got] == expected, f"killed at step {kill_at}"
     # Rows recomputed after the kill were kept aside, not lost.
     assert (run / "metrics.superseded.jsonl").exists() or kill_at % 3 == 2
+
+
+def start_long(run_dir):
+    """A run that would go on for hours, with TensorBoard on (its writer's thread must not
+    hold the exit); stdout and stderr apart, read line by line."""
+    args = [a for a in TRAIN_ARGS if not a.startswith(("--config.steps", "--config.tensorboard"))]
+    return subprocess.Popen([sys.executable, "-m", "hetjax.train", *args, "--config.steps=100000",
+                             "--config.tensorboard=true", f"--config.run_dir={run_dir}"],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def read_until(proc, prefix):
+    lines = []
+    while not (lines and lines[-1].startswith(prefix)):
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail(f"exited before a line starting {prefix!r}: {''.join(lines)}{proc.stderr.read()}")
+        lines.append(line)
+    return "".join(lines)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_130_with_one_line(tmp_path):
+    proc = start_long(tmp_path / "run")
+    before = read_until(proc, "step 0:")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, before + out + err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("interrupted (Ctrl-C): saved step ") and out.count("interrupted") == 1, out
+    saved = int(last.split("saved step ")[1].split()[0])
+    assert saved in checkpoint.Manager(tmp_path / "run" / "checkpoints", read_only=True).steps()
+
+
+def test_a_second_ctrl_c_exits_at_once(tmp_path):
+    proc = start_long(tmp_path / "run")
+    read_until(proc, "tiny: ")  # the job is being built: the step compiles next
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.1)  # two deliveries, not one merged signal
+    proc.send_signal(signal.SIGINT)
+    t = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert time.monotonic() - t < 10, "the second Ctrl-C waited for something"
+    assert proc.returncode == 130, out + err
+    assert err.strip().splitlines()[-1].startswith("interrupted twice (Ctrl-C): exiting at once"), err
+    assert "Traceback" not in err and "saved step" not in out, out + err
 
 
 def save_state(directory, mesh_cfg, n, steps=(2,), cfg=CFG, **ckpt):
@@ -242,7 +289,29 @@ def test_a_failed_save_is_loud_and_keeps_the_previous_checkpoint(tmp_path, how):
     result = json.loads(proc.stdout.splitlines()[-1])
     assert result["error"] and "saving checkpoint step 4" in result["error"], result
     assert "step 2) is untouched" in result["error"]
+    # The cause orbax wrapped (or only logged) is named, with the hint that fits it.
+    cause, hint = {"full": ("File too large", "Free disk space"),
+                   "unwritable": ("Permission denied", "Fix the permissions")}[how]
+    assert cause in result["error"] and hint in result["error"], result
     assert result["restored"] == 2 and result["same"], result
+
+
+def test_training_on_a_full_disk_exits_with_the_cause_in_one_line(tmp_path):
+    def full_disk():  # in the child: writes past 20 kB fail, as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY))
+    args = [a for a in TRAIN_ARGS if not a.startswith("--config.steps")]
+    proc = subprocess.run([sys.executable, "-m", "hetjax.train", *args, "--config.steps=6",
+                           f"--config.run_dir={tmp_path / 'run'}"], cwd=ROOT, preexec_fn=full_disk,
+                          env={**ENV, "PYTHONDONTWRITEBYTECODE": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    # orbax's own threads log their tracebacks too (before or after): ours is one line.
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 1 and len(ours) == 1, proc.stderr[-3000:]
+    last = ours[0]
+    assert last.startswith("error: saving checkpoint step 3 "), last
+    assert "File too large" in last and "Free disk space" in last and "no earlier checkpoint" in last, last
+    assert not (tmp_path / "run" / "checkpoints" / "3").exists()
 
 
 def test_an_unusable_checkpoint_dir_is_a_clear_error(tmp_path):
@@ -273,3 +342,12 @@ def test_init_from_starts_a_new_run_from_saved_weights(tmp_path, saved):
     assert counts and set(counts) == {1}  # a fresh optimizer: one update
     with pytest.raises(ConfigError, match="config.init_from"):
         train.main([*args, f"--config.run_dir={tmp_path / 'c'}", f"--config.init_from={tmp_path / 'nope'}"])
+
+
+def test_opening_checkpoints_read_only_logs_no_warning(tmp_path, caplog):
+    # orbax warns on each read-only open (that saving is off, that the directory is read
+    # only); every init_from, export and restore opens one, and the user can do nothing about it.
+    import logging
+    with caplog.at_level(logging.WARNING):
+        checkpoint.Manager(tmp_path, read_only=True).close()
+    assert not [r for r in caplog.records if "read only" in r.getMessage() or "read_only" in r.getMessage()]

@@ -114,6 +114,8 @@ def test_apply_keeps_user_settings_and_refuses_once_jax_started():
     assert env["NCCL_ALGO"] == "Tree" and env["NCCL_PROTO"] == "Simple"
     line = applied.describe()
     assert "cuda-deterministic" in line and "--xla_gpu_deterministic_ops=true" in line
+    # the first line of a run shows every flag in force, the user's own included
+    assert "--xla_force_host_platform_device_count=8" in line and "--xla_gpu_autotune_level=4" in line
 
 
 CACHED_START = """

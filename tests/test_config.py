@@ -40,7 +40,10 @@ def test_overrides_are_parsed_by_field_type():
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("steps", "ten", "--config.steps='ten': expected a int"),
+    ("steps", "ten", "--config.steps='ten': expected an int"),
+    ("optim.learning_rate", "nan", "--config.optim.learning_rate='nan': not finite"),
+    ("optim.learning_rate", "1e999", "learning_rate='1e999': not finite"),
+    ("seed", "1e999", "expected an int"),
     ("model.num_layers", "2.5", "model.num_layers"),
     ("model.qkv_bias", "maybe", "model.qkv_bias"),
     ("model.num_layer", "3", "did you mean model.num_layers"),
@@ -99,7 +102,15 @@ def no_compile(monkeypatch):
     (["--config.model.remat=some"], r"config.model.remat='some'"),
     (["--config.batch_size=10", "--config.optim.grad_accum_steps=4"], r"config.batch_size=10"),
     (["--config.model.num_layres=4"], r"did you mean model.num_layers"),
-    (["--config.steps=1.5"], r"--config.steps='1.5': expected a int"),
+    (["--config.steps=1.5"], r"--config.steps='1.5': expected an int"),
+    # The global batch (and each micro-batch) must split over the batch's mesh axes.
+    (["--config.batch_size=7"], r"config.batch_size=7 does not split evenly over config.mesh.data=1 x "
+                                r"config.mesh.fsdp=8 .*multiple of 8; nearest valid values: 8$"),
+    (["--config.batch_size=12", "--config.mesh.data=2", "--config.mesh.fsdp=4"],
+     r"config.batch_size=12 does not split evenly over config.mesh.data=2 x config.mesh.fsdp=4 .*"
+     r"multiple of 8; nearest valid values: 8 or 16"),
+    (["--config.optim.learning_rate=-1e-3"], r"config.optim.learning_rate=-0.001: must not be negative"),
+    (["--config.optim.learning_rate=inf"], r"config.optim.learning_rate='inf': not finite"),
 ])
 def test_bad_configs_fail_before_compiling(overrides, message, no_compile, tmp_path):
     argv = ["--config", "tiny.py", f"--config.run_dir={tmp_path / 'run'}", *overrides]

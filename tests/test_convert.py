@@ -96,6 +96,24 @@ def test_bfloat16_weights_import_exactly(tmp_path):
     np.testing.assert_array_equal(files[name].get(name).astype(np.float32), hf_q)
 
 
+def test_relative_paths_work_and_a_failed_export_leaves_nothing_complete(tmp_path, monkeypatch, capsys):
+    hf_model("qwen2", tmp_path / "hf")
+    monkeypatch.chdir(tmp_path)  # the README's form: paths relative to where one stands
+    assert convert.main(["import", "hf", "runs/tiny-hf"]) == 0
+    assert convert.main(["export", "runs/tiny-hf", "out"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    # Damage the saved checksum of the last parameter: the export fails after writing the others.
+    m = convert.model_config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    meta_path = tmp_path / "runs" / "tiny-hf" / "0" / "meta" / "metadata"
+    meta = json.loads(meta_path.read_text())
+    meta["checksums"][f"params/{convert.entries(m)[-1].path}"] = "0" * 16
+    meta_path.write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert convert.main(["export", "runs/tiny-hf", "out2"]) == 2
+    assert "does not match its checksum" in capsys.readouterr().err
+    assert list((tmp_path / "out2").iterdir()) == []
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("model_type", "mistral", "model_type='mistral'"),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "rope_scaling.rope_type='yarn'"),

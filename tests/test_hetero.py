@@ -44,6 +44,9 @@ def losses(tmp_path, config, run, *overrides):
                        "--config.checkpoint.async_save=False", *overrides])
     assert code == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # each step's own time: none a few microseconds of dispatch, none holding two steps
+    times = [r["step_time"] for r in rows if "step_time" in r]
+    assert min(times) > 0.3 * np.median(times) and max(r["mfu"] for r in rows if "mfu" in r) < 1, times
     return np.array([r["loss"] for r in rows if "loss" in r]), run_dir
 
 
@@ -150,6 +153,8 @@ def test_bad_island_configs_are_refused_naming_the_field(hetero, match):
     ({"pipeline.microbatches": "16"}, {}, "a micro-batch of .* = 1 rows does not split over .*islands\\[0\\]"),
     ({"optim.grad_accum_steps": "2"}, {}, "grad_accum_steps=2 .* the islands are the stages"),
     ({"checkpoint.keep": "1"}, {}, "checkpoint.keep=1 with islands"),
+    ({"pipeline.virtual_stages": "2", "pipeline.schedule": "1f1b_fused"}, {},
+     "virtual_stages=2 with config.hetero.placement='pipeline'"),
     ({"pipeline.microbatches": "1"}, {"placement": "data", "islands": (
         IslandConfig(name="a", devices_per_process=2, mesh=MeshConfig(pipeline=2, fsdp=1)), IslandConfig(name="b"))},
      "islands\\[0\\].mesh.pipeline=2: config.pipeline.microbatches=1 is smaller"),

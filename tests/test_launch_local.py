@@ -9,12 +9,16 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
+from hetjax.compile import backend
 from hetjax.errors import ConfigError
 from hetjax.hetero import runtime, scheduler
 from hetjax.launch import local
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CONFIG = """
 from hetjax.config import Config, HeteroConfig, IslandConfig, MeshConfig, ModelConfig
@@ -129,6 +133,20 @@ def test_bad_launcher_input_is_refused_before_anything_starts(cfg_path, tmp_path
     with pytest.raises(ConfigError, match=r"\['q'\]"):
         local.run(cfg_path, island_overrides={"q": {"seed": "1"}})
     assert not (tmp_path / "run" / "logs").exists()
+
+
+@pytest.mark.skipif(not (backend.unavailable("cuda") and backend.unavailable("rocm")),
+                    reason="this machine has a GPU platform of the islands")
+def test_islands_on_missing_gpus_are_one_error_before_any_process_starts(tmp_path):
+    # The command configs/tiny_hetero.py's docstring suggests, on a machine without its GPUs.
+    proc = subprocess.run([sys.executable, "-m", "launch.local", "--config", "configs/tiny_hetero.py",
+                           f"--config.run_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    assert "runs on platform 'cuda', but no jax plugin for cuda is installed" in lines[0], lines
+    assert "--stand_in cpu" in lines[0] and not (tmp_path / "run").exists()
 
 
 # A dummy workload: reads its settings as hetjax.train would, prints on stdout and stderr;

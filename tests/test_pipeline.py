@@ -78,8 +78,41 @@ def test_every_forward_and_backward_runs_once_in_dependency_order(kind):
                 assert [tick[op, m, s] for op, m in ops] == sorted(tick[op, m, s] for op, m in ops)
 
 
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b_fused"])
+def test_interleaved_schedules_run_every_chunk_once_in_dependency_order(kind):
+    for S in range(2, 5):
+        for V in (2, 3):
+            for M in range(S, 3 * S + 1):
+                sched = pipeline.make_schedule(kind, S, M, V)
+                J, tick = S * V, {}  # virtual stage j = v*S + s lives on stage s as chunk v
+                for name, table, chunks in (("F", sched.forward, sched.forward_chunk),
+                                            ("B", sched.backward, sched.backward_chunk)):
+                    for t, s in zip(*np.nonzero(table >= 0)):
+                        key = (name, int(table[t, s]), int(chunks[t, s]) * S + int(s))
+                        assert key not in tick
+                        tick[key] = int(t)
+                assert len(tick) == 2 * M * J
+                for m in range(M):
+                    for j in range(J):
+                        if j > 0:
+                            assert tick["F", m, j] > tick["F", m, j - 1]
+                        if j < J - 1:  # the gradient is consumed in the tick after it is sent
+                            assert tick["B", m, j] == tick["B", m, j + 1] + 1
+                        assert tick["B", m, j] >= tick["F", m, j]
+                # Stash slots: no two inputs held at once share one.
+                arrive, fs, bs, count = sched.slots()
+                assert count == max(1, sched.in_flight().max())
+                if M % S == 0:  # the warm-up shrinks with V: a smaller bubble than V = 1
+                    assert sched.bubble_fraction() < pipeline.make_schedule(kind, S, M).bubble_fraction()
+    sched = pipeline.make_schedule(kind, 2, 8, 2)
+    assert sched.bubble_fraction() == pytest.approx(1 - 2 * 8 * 3 / (2 * 8 * 3 + 3))  # warm-up + cool-down: 3
+    with pytest.raises(ConfigError, match="virtual_stages=2 with schedule='1f1b'"):
+        pipeline.make_schedule("1f1b", 2, 4, 2)
+
+
 def test_evaluation_runs_each_microbatch_forward_once_per_stage_in_order():
-    table = pipeline.forward_only(3, 4)
+    table, chunks = pipeline.forward_only(3, 4)
+    assert not np.any(chunks > 0)
     assert table.shape == (6, 3)
     for s in range(3):
         runs = table[:, s][table[:, s] >= 0]
@@ -88,7 +121,8 @@ def test_evaluation_runs_each_microbatch_forward_once_per_stage_in_order():
 
 def test_the_check_refuses_a_schedule_out_of_order():
     sched = pipeline.make_schedule("gpipe", 2, 2)
-    swapped = dataclasses.replace(sched, forward=sched.forward[:, ::-1].copy())  # stage 1 first
+    swapped = dataclasses.replace(sched, forward=sched.forward[:, ::-1].copy(),  # stage 1 first
+                                  forward_chunk=sched.forward_chunk[:, ::-1].copy())
     with pytest.raises(ValueError, match="before the previous stage"):
         check(swapped)
 
@@ -104,6 +138,17 @@ def test_timeline_shows_every_operation(tmp_path):
     assert rows[0].split()[2] == "F0" and rows[3].split()[2:4] == [".", "."]
     pipeline.plot(sched, str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_the_command_draws_every_schedule_the_interleaved_ones_included(capsys):
+    from hetjax.pipeline.__main__ import main
+    assert main(["--stages", "2", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    heads = [line.split(":")[0] for line in out.splitlines() if "micro-batches" in line]
+    assert heads == [*pipeline.KINDS, "gpipe x2 virtual", "1f1b_fused x2 virtual"]
+    assert "F0.1" in out and "B3.0" in out  # micro-batch 0 through chunk 1, 3's backward through chunk 0
+    assert main(["--schedule", "1f1b", "--virtual-stages", "2"]) == 2
+    assert "virtual_stages=2" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------
@@ -239,6 +284,59 @@ def test_pipelined_step_equals_the_unpipelined_one(mesh_cfg, pipe, reference):
         assert blocks.shape[0] == plan.stages * layout.per_stage
 
 
+SMALL = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, num_layers=4), steps=20)
+
+
+@pytest.fixture(scope="module")
+def losses_unpipelined():
+    mesh, rules, tx, graphdef, shardings, state = build(SMALL, MeshConfig(fsdp=1), 1)
+    train_step = program.jit_train_step(
+        step.make_train_step(graphdef, tx, learning_rate_schedule(SMALL.optim, SMALL.steps), mesh, rules),
+        shardings, program.batch_shardings(mesh, rules), mesh)
+    losses = []
+    for batch in _batches(SMALL, mesh, rules):
+        state, metrics = train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.device_get(state.params)
+
+
+@pytest.mark.parametrize("kind,virtual", [(k, 1) for k in pipeline.KINDS] + [("gpipe", 2), ("1f1b_fused", 2)])
+def test_every_schedule_trains_like_the_unpipelined_model_for_20_steps(kind, virtual, losses_unpipelined):
+    ref_losses, ref_params = losses_unpipelined
+    cfg = dataclasses.replace(SMALL, mesh=MeshConfig(pipeline=2, fsdp=1),
+                              pipeline=PipelineConfig(kind, 4, virtual_stages=virtual))
+    validate(cfg)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:2])
+    prog = program.build(cfg, mesh)
+    train_step, state = prog.jit_train_step(), prog.init_state()
+    losses = []
+    for batch in _batches(cfg, mesh, prog.rules):
+        state, metrics = train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert losses[-1] < losses[0] - 0.1
+    params = pipeline.from_stages(jax.device_get(state.params), prog.plan.layout)
+    _assert_params_close(params, ref_params, SMALL.optim.learning_rate)
+    if virtual == 1:  # evaluation without interleaving is covered elsewhere
+        return
+    eval_loss = prog.jit_eval_step()(state.params, batch)
+    got_eval = float(eval_loss["loss_sum"] / eval_loss["tokens"])
+    ref_eval = step.make_eval_step(prog.graphdef, mesh, SMALL.sharding.rules)
+    with sharding.logical_rules(mesh, SMALL.sharding.rules):
+        ref = jax.jit(ref_eval)(pipeline.from_stages(state.params, prog.plan.layout), batch)
+    np.testing.assert_allclose(got_eval, float(ref["loss_sum"] / ref["tokens"]), rtol=1e-5)
+
+
+def test_interleaved_layout_is_a_permutation_of_the_model_layers():
+    layout = pipeline.make_layout(8, 2, (), 2)  # chunks of 2: stage 0 holds layers 0-1 and 4-5
+    assert layout.source().tolist() == [0, 1, 4, 5, 2, 3, 6, 7] and layout.reordered
+    params = {"blocks": {"w": jnp.arange(8.0)[:, None] * jnp.ones((8, 3))}, "head": jnp.ones(2)}
+    staged = pipeline.to_stages(params, layout)
+    assert staged["blocks"]["w"][:, 0].tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    back = pipeline.from_stages(staged, layout)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)))
+
+
 # ---------------------------------------------------------------------------
 # Memory: 1F1B holds O(S) stage inputs, GPipe O(M)
 
@@ -285,6 +383,13 @@ def test_1f1b_memory_does_not_grow_with_microbatches_like_gpipe():
      r"batch_size=8 is not divisible by config.pipeline.microbatches=3"),
     (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("pipedream")), r"schedule='pipedream'"),
     (dict(mesh=MeshConfig(pipeline=2), optim=OptimConfig(grad_accum_steps=2)), r"grad_accum_steps=2"),
+    (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("gpipe", virtual_stages=0)), r"virtual_stages=0"),
+    (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("1f1b", virtual_stages=2)),
+     r"virtual_stages=2 with config.pipeline.schedule='1f1b'"),
+    (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("gpipe", virtual_stages=2)),
+     r"num_layers=6 does not split into config.mesh.pipeline=2 stages x config.pipeline.virtual_stages=2"),
+    (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("gpipe", stage_layers=(2, 4), virtual_stages=3)),
+     r"stage_layers=\(2, 4\) with config.pipeline.virtual_stages=3"),
 ])
 def test_bad_pipeline_configs_are_refused(changes, match):
     with pytest.raises(ConfigError, match=match):
@@ -299,3 +404,30 @@ def test_refuses_a_microbatch_that_data_parallelism_cannot_split():
     rules = dict(CFG.sharding.rules) | {"embed": "pipeline"}
     with pytest.raises(ConfigError, match="maps 'embed' to the 'pipeline' mesh axis"):
         pipeline.sharding_rules(tuple(rules.items()))
+
+
+def test_an_interleaved_pipeline_checkpoints_in_the_model_layer_order(tmp_path):
+    # Interleaved stacked layers have the model's shapes in another order: saved as they
+    # are, they would restore into any other layout without an error, scrambled.
+    from hetjax import checkpoint, job
+    from hetjax.checkpoint_config import CheckpointConfig
+    cfg = dataclasses.replace(SMALL, mesh=MeshConfig(pipeline=2, fsdp=1),
+                              pipeline=PipelineConfig("gpipe", 4, virtual_stages=2))
+    mesh = make_mesh(cfg.mesh, jax.devices()[:2])
+    prog = program.build(cfg, mesh)
+    state, _ = prog.jit_train_step()(prog.init_state(), next(iter(_batches(cfg, mesh, prog.rules))))
+    state = jax.device_get(jax.block_until_ready(state))  # the step donates; keep a host copy
+    saved = jax.device_put(state, prog.state_shardings)
+    ckpt = job.ModelOrderCheckpoints(checkpoint.Manager(tmp_path / "c", CheckpointConfig(every=1)),
+                                     prog.plan.layout, prog.state_shardings)
+    ckpt.save(1, saved, {"step": 1}, {})
+    ckpt.wait()
+    flat = dataclasses.replace(cfg, mesh=MeshConfig(fsdp=2), pipeline=PipelineConfig())
+    other = program.build(flat, make_mesh(flat.mesh, jax.devices()[:2]))
+    params = checkpoint.load_params(tmp_path / "c", other.state.params, other.state_shardings.params)
+    expected = pipeline.from_stages(state.params, prog.plan.layout)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected)))
+    restored = ckpt.restore_latest(prog.state, prog.state_shardings)
+    assert restored.step == 1
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state)))
+    ckpt.close()

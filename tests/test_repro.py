@@ -99,10 +99,12 @@ def test_batch_digest_is_exact_for_any_sharding_and_adds_over_rows():
 
 
 def test_layouts_are_parsed_and_bad_ones_refused():
-    parsed = check.parse("fsdp=8; fsdp=2,tensor=4; pipeline=2")
+    parsed = check.parse("fsdp=8; fsdp=2,tensor=4; pipeline=2; pipeline=2,virtual_stages=2")
     lays = [check.layout(n, s, CFG, 8) for n, s in parsed]
     assert [(l.overrides["mesh.fsdp"], l.overrides["mesh.tensor"], l.overrides["mesh.pipeline"], l.devices)
-            for l in lays] == [("8", "1", "1", 8), ("2", "4", "1", 8), ("-1", "1", "2", 8)]
+            for l in lays] == [("8", "1", "1", 8), ("2", "4", "1", 8), ("-1", "1", "2", 8), ("-1", "1", "2", 8)]
+    assert lays[3].overrides["pipeline.virtual_stages"] == "2" and "virtual_stages" not in str(lays[2].overrides)
+    assert lays[3].overrides.get("pipeline.schedule", CFG.pipeline.schedule) in ("gpipe", "1f1b_fused")
     for bad, word in (("fsdp=8", "at least two"), ("fsdp=8; tensr=2", "tensr=2"), ("fsdp=8; islands=2,fsdp=2", "islands")):
         with pytest.raises(ConfigError, match=word):
             check.parse(bad)
@@ -126,6 +128,16 @@ def small(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "repro_jax_cache"
     return {**SMALL, "compile.cache_dir": str(cache)}
+
+
+def test_interleaved_pipeline_layout_agrees_with_the_unpipelined_run(tmp_path, small, capsys):
+    layouts = "fsdp=8; pipeline=2,virtual_stages=2"  # 4 layers: 2 stages x 2 chunks of 1
+    code, rows = check.check("tiny", layouts, tmp_path / "check", {**small, "model.num_layers": "4"}, steps=20)
+    out = capsys.readouterr().out
+    assert code == 0 and all(row.ok for row in rows), out
+    report = rows[1].report
+    assert report.init_equal and report.steps == list(range(20)) and report.within and not report.void, out
+    assert "pipeline.virtual_stages=2" in (rows[1].run_dir / "train.log").read_text().splitlines()[0]
 
 
 def train(run_dir, overrides, **extra):

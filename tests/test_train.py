@@ -177,3 +177,21 @@ def test_a_model_that_cannot_fit_is_refused_quickly():
     for word in ("GiB per device", "parameters 29.92", "optimizer 59.83", "activations",
                  "What would fit", "config.mesh.fsdp", "Nothing was allocated"):
         assert word in err, (word, err)
+
+
+def test_a_stuck_tensorboard_writer_cannot_hold_the_exit(tmp_path, capsys):
+    # A signal landing inside tensorboardX's queue once left its event thread unable to
+    # take the stop sentinel: close() must give up after its timeout, not join for ever.
+    import threading
+    from hetjax import metrics
+    writer = metrics.Writer(tmp_path, 1, tensorboard=True)
+    writer.write(0, {"loss": 1.0})
+    release = threading.Event()
+    real_close = writer.tb.close
+    writer.tb.close = lambda: (release.wait(), real_close())
+    t = time.monotonic()
+    writer.close(timeout_s=0.5)
+    assert time.monotonic() - t < 5
+    assert "did not close in 0.5s" in capsys.readouterr().err
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 1.0
+    release.set()

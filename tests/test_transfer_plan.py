@@ -33,7 +33,7 @@ def layouts(draw, ndim, max_devices=8, names="abc"):
 
 
 def split_count(layout, d):
-    entry = layout.spec[d]
+    entry = layout.spec[d] if d < len(layout.spec) else None  # trailing Nones are dropped
     names = () if entry is None else (entry,) if isinstance(entry, str) else entry
     size = dict(zip(layout.axis_names, layout.mesh_shape))
     return math.prod(size[a] for a in names)

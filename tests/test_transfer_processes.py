@@ -190,3 +190,49 @@ def test_killed_peer_gives_a_timeout_naming_it(backend):
         assert time.monotonic() - start < timeout_s + 2
     finally:
         ep.close()
+
+
+def test_a_flood_of_connections_under_a_low_file_limit_leaves_the_listener_working():
+    """A host endpoint in a process limited to 256 files: connections arrive while it has
+    no descriptor left (accept fails with EMFILE), then a flood past its cap of
+    connections in their handshake; once they are closed, a real transfer completes."""
+    peer = Peer("lowfiles", 256, 20.0)
+    ep = open_endpoint(LinkConfig(backend="host", timeout_s=20))
+    flood = []
+
+    def connect_many(n, within_s):
+        """n more connections, or as many as connect within within_s."""
+        want, end = len(flood) + n, time.monotonic() + within_s
+        while len(flood) < want and time.monotonic() < end:
+            try:
+                flood.append(socket.create_connection((host, int(port)), timeout=0.3))
+            except OSError:  # the backlog is full: the kernel drops the SYN
+                pass
+
+    try:
+        address = peer.line()[0]
+        host, port = address.rsplit(":", 1)
+        peer.tell({"hog": True})
+        assert peer.line() > 0
+        connect_many(20, 3)  # each accept() fails now: out of descriptors
+        time.sleep(0.5)
+        peer.tell({"release": True})
+        assert peer.line() == "released"
+        before = len(flood)
+        connect_many(300, 20)  # past the cap of 32 unauthenticated connections, and past 256 files
+        assert len(flood) - before == 300  # the listener kept accepting (and closing) them
+        for s in flood:
+            s.close()
+        shape, dtype, src, dst = (8, 8), "float32", TRAP[2], Layout((4,), ("x",), (0,) * 4, (None, "x"))
+        order = {"tag": "after-flood", "shape": list(shape), "dtype": dtype, "seed": 3,
+                 "src": src.to_json(), "dst": dst.to_json()}
+        peer.tell({"peers": {0: ep.addresses}, "cases": [order]})
+        x = jax.device_put(case_array(order), sharding_on(src, jax.devices()))
+        ep.send(x, order["tag"], dst, peers={0: (address,)}).wait()
+        got = peer.line()
+        assert got["ok"] and got["accept_errors"] >= 1 and got["refused"] >= 32, got
+    finally:
+        for s in flood:
+            s.close()
+        ep.close()
+        peer.close()

@@ -15,6 +15,12 @@ gloo collectives). Says {"host": addresses, "direct": addresses}, then for each 
 every case, waits for them in order (a fan-out is a collective: both processes must
 run them in the same order), checks the shards this process holds against the seed's bits and says,
 per case: {"tag", "ok", "shards", "wire_bytes"}; stops at "exit".
+
+`transfer_peer.py lowfiles NOFILE TIMEOUT_S`: a one-process receiving island (4 CPU
+devices, `host`) limited to NOFILE open files. Says its addresses; then per line of
+orders: {"hog": true} opens files until none is left and says how many ("release" closes
+them), or receives every case of {"peers", "cases"} as `recv` does and says
+{"tag", "ok", "refused", "accept_errors"} per case.
 """
 
 import json
@@ -22,7 +28,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if sys.argv[1:2] == ['send'] else 2}"
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={2 if sys.argv[1:2] == ['recv'] else 4}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
@@ -107,9 +113,40 @@ def recv(process_id, port, timeout_s):
         ep.close()
 
 
+def lowfiles(nofile, timeout_s):
+    import resource
+    jax.devices()  # the runtime's own files first
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    ep = open_endpoint(LinkConfig(backend="host", timeout_s=timeout_s))
+    say(ep.addresses)
+    hog = []
+    for order in orders():
+        if order.get("hog"):
+            try:
+                while True:
+                    hog.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                say(len(hog))
+        elif order.get("release"):
+            [os.close(f) for f in hog]
+            hog.clear()
+            say("released")
+        else:
+            for case in order["cases"]:
+                dst = Layout.from_json(case["dst"])
+                sh = sharding_on(dst, jax.devices())
+                like = jax.ShapeDtypeStruct(tuple(case["shape"]), case["dtype"], sharding=sh)
+                y = ep.recv(case["tag"], like, Layout.from_json(case["src"]), peers=peers_of(order)).wait()
+                say({"tag": case["tag"], "ok": shard_bits_match(y, case_array(case).view(BITS[case["dtype"]])),
+                     "refused": ep.refused, "accept_errors": ep.accept_errors})
+    ep.close()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "send":
         send(sys.argv[2], float(sys.argv[3]))
+    elif sys.argv[1] == "lowfiles":
+        lowfiles(int(sys.argv[2]), float(sys.argv[3]))
     else:
         recv(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
     os._exit(0)  # a direct-backend server may hold threads; do not wait for them

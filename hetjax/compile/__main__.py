@@ -10,18 +10,21 @@ DIR/manifest.json. Load them with hetjax.compile.export.load.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from hetjax import cli as cli_lib
 from hetjax.compile import backend, cli
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetjax.compile", description=__doc__.split("\n")[0])
+    parser = cli_lib.ArgumentParser(prog="python -m hetjax.compile", description=__doc__.split("\n")[0],
+                                    example="python -m hetjax.compile --config tiny --platforms cuda,rocm "
+                                            "--devices 8 --out artifacts/tiny")
     parser.add_argument("--platforms", required=True, help="comma-separated: cpu, cuda, rocm")
     parser.add_argument("--out", required=True, help="directory for the artifacts and manifest")
     parser.add_argument("--devices", type=int, help="virtual device count (default: config.mesh)")
     ns, cfg = cli.parse(parser, argv)
+    cli_lib.need("flatbuffers", "export", "python -m hetjax.compile (jax.export's serialization)")
     from hetjax.compile import profiles
     platforms = [profiles.check_platform(p.strip(), "--platforms") for p in ns.platforms.split(",")]
     backend.virtual_cpu_devices(cli.device_count(cfg, ns.devices))

@@ -51,6 +51,23 @@ def installed_plugins() -> dict[str, str]:
     return found
 
 
+# Device nodes a platform's driver creates; their absence means no such GPU here.
+_DEVICE_NODES = {"cuda": ("/dev/nvidiactl", "/dev/nvidia0"), "rocm": ("/dev/kfd",)}
+
+
+def unavailable(platform: str, plugins: dict[str, str] | None = None) -> str | None:
+    """Why `platform` cannot start on this machine (no jax plugin, no device node), or
+    None if it may; looks at files only, starts no backend."""
+    if platform == "cpu":
+        return None
+    plugins = installed_plugins() if plugins is None else plugins
+    if platform not in plugins:
+        return f"no jax plugin for {platform} is installed"
+    if not any(os.path.exists(node) for node in _DEVICE_NODES.get(platform, ())):
+        return f"no {platform} device ({' or '.join(_DEVICE_NODES[platform])}) exists"
+    return None
+
+
 def detect(environ=None) -> tuple[str, str]:
     """(platform, why) from JAX_PLATFORMS or the installed jax plugins; cpu otherwise."""
     environ = os.environ if environ is None else environ
@@ -86,11 +103,11 @@ class Applied:
     profile: profiles.Profile
     why: str
     kept: tuple[str, ...]  # flags/variables the user had set differently: theirs win
+    xla_flags: str = ""  # XLA_FLAGS as XLA will read it: the user's and the profile's
 
     def describe(self) -> str:
         p = self.profile
-        parts = [f"backend profile {p.name} ({self.why})",
-                 "XLA_FLAGS: " + (" ".join(p.xla_flags) or "(none)")]
+        parts = [f"backend profile {p.name} ({self.why})", "XLA_FLAGS: " + (self.xla_flags or "(none)")]
         if p.env:
             parts.append("env: " + " ".join(f"{k}={v}" for k, v in p.env))
         if p.jax_config:
@@ -138,7 +155,7 @@ def apply(profile: profiles.Profile, why: str = "", environ=None) -> Applied:
         environ.setdefault(key, value)
     for name, value in profile.jax_config:
         jax.config.update(name, value)
-    return Applied(profile, why, tuple(kept))
+    return Applied(profile, why, tuple(kept), environ.get("XLA_FLAGS", "").strip())
 
 
 def setup(compile_cfg: CompileConfig, environ=None) -> Applied:

@@ -73,10 +73,14 @@ def prepare(input: str, output: str, *, fmt: str = "", field: str = "text", toke
 
 
 def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        print(__doc__.strip())
+        return 0
     opts, skip_bad, args = dict(OPTIONS), False, list(argv)
     while args:
         arg = args.pop(0)
-        key, eq, value = arg.partition("=")
+        key, eq, value = cli_lib.alias(arg, [*OPTIONS, "--skip_bad"]).partition("=")
+        arg = key + eq + value
         if arg == "--skip_bad":
             skip_bad = True
         elif key in opts:

@@ -8,11 +8,11 @@ whenever the ids it produces could change (cache keys and iterator states use it
 from __future__ import annotations
 
 import hashlib
-import importlib
 from pathlib import Path
 
 import numpy as np
 
+from hetjax import cli
 from hetjax.errors import ConfigError
 
 HF_BOS_NAMES = ("<|begin_of_text|>", "<bos>", "<s>", "[BOS]", "<|endoftext|>")
@@ -33,11 +33,7 @@ class ByteTokenizer:
 
 
 def _require(module: str, extra: str, path: str):
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ConfigError(f"config.data.tokenizer={path!r} needs the `{module}` package: "
-                          f"pip install 'hetjax[{extra}]'") from None
+    return cli.need(module, extra, f"config.data.tokenizer={path!r}")
 
 
 def _file_digest(path: Path) -> str:

@@ -101,6 +101,10 @@ def validate_hetero(cfg) -> None:
     if h.placement == "pipeline":
         if n < 2:
             raise ConfigError("config.hetero.placement='pipeline' needs at least 2 islands (one per stage)")
+        if cfg.pipeline.virtual_stages != 1:
+            raise ConfigError(f"config.pipeline.virtual_stages={cfg.pipeline.virtual_stages} with "
+                              f"config.hetero.placement='pipeline': islands hold one chunk of layers "
+                              f"each for now; set virtual_stages=1")
         for k, island in enumerate(h.islands):
             if island.mesh.pipeline != 1:
                 raise ConfigError(

@@ -296,11 +296,11 @@ def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island
     else:
         rows = placement.batch_shares(cfg)[k]
         prog = program.build(icfg, mesh)  # the one-mesh program, on the island's share of rows
-        if prog.plan is not None and prog.plan.layout.padded:
+        if prog.plan is not None and prog.plan.layout.reordered:
             raise ConfigError(
                 f"config.hetero.islands[{k}].mesh.pipeline={mesh.shape['pipeline']} with uneven "
-                f"config.pipeline.stage_layers: islands exchange gradients in the model's layout, so "
-                f"split the layers evenly inside an island")
+                f"config.pipeline.stage_layers or virtual_stages > 1: islands exchange gradients in the "
+                f"model's layout, so split the layers evenly inside an island, one chunk per stage")
         rules, tx, graphdef, plan = prog.rules, prog.tx, prog.graphdef, prog.plan
         abstract, shardings, batch_sh = prog.state, prog.state_shardings, prog.batch_shardings
     # The island's part must fit its devices: say what it needs before allocating.

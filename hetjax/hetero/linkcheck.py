@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> int:
-    return cli_lib.run_main(main, hetero_job.JobError)
+    return cli_lib.run_main(main, (hetero_job.JobError,))
 
 
 if __name__ == "__main__":

@@ -128,10 +128,11 @@ class Links:
         return out
 
     def raise_failed_sends(self, sends) -> None:
-        """A receive that timed out may be our own send's fault: say so first."""
+        """A receive that timed out may be our own send's fault: say so first (named as
+        wait() names it: a lost peer as IslandLost)."""
         for j, h in sends:
             if h.done() and h.future.exception() is not None:
-                raise h.future.exception()
+                self.wait(h, j, sent=True)
 
     def gather(self, values, what: str, mesh) -> np.ndarray:
         """(islands, *values.shape) on the host: every island's small array `values`

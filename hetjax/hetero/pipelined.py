@@ -29,7 +29,7 @@ class PipelineStage:
         cfg, k, n = island.cfg, island.index, island.count
         self.M = cfg.pipeline.microbatches
         self.ops = make_schedule(cfg.pipeline.schedule, n, self.M).ops(k)
-        self.eval_ops = [("F", int(m)) for m in forward_only(n, self.M)[:, k] if m >= 0]
+        self.eval_ops = [("F", int(m)) for m in forward_only(n, self.M)[0][:, k] if m >= 0]
         self.tied = cfg.model.tie_embeddings
         mesh, rules, graphdef = island.mesh, island.rules, island.graphdef
         first, last = island.first, island.last

@@ -267,9 +267,9 @@ def draw(events: list[dict], path: Path, title: str = "") -> Path:
 
 
 def main(argv: list[str]) -> int:
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m hetjax.hetero.timeline", description=__doc__.split("\n\n")[0],
-                                epilog="example: python -m hetjax.hetero.timeline runs/tiny_hetero")
+    from hetjax import cli
+    p = cli.ArgumentParser(prog="python -m hetjax.hetero.timeline", description=__doc__.split("\n\n")[0],
+                           example="python -m hetjax.hetero.timeline runs/tiny_hetero")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--png", type=Path, default=None, help="the picture's path (default RUN_DIR/timeline.png)")
     p.add_argument("--title", default="")
@@ -279,6 +279,11 @@ def main(argv: list[str]) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        cli.need("matplotlib", "plot", "the timeline's picture")
+    except cli.ConfigError as e:
+        print(f"{path}: {len(events)} events (open in https://ui.perfetto.dev); no picture: {e}")
+        return 0
     png = draw(events, args.png or args.run_dir / "timeline.png", args.title or str(args.run_dir))
     print(f"{path}: {len(events)} events (open in https://ui.perfetto.dev); picture: {png}")
     return 0

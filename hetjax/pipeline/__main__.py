@@ -1,29 +1,45 @@
-"""Prints a schedule's timeline: `python -m hetjax.pipeline --stages 4 --microbatches 8
---schedule 1f1b [--png timeline.png]`."""
+"""Prints schedules' timelines: `python -m hetjax.pipeline --stages 4 --microbatches 8
+[--schedule 1f1b] [--virtual-stages 2] [--png timeline.png]`; without --schedule, every
+schedule, and the interleaved ones with --virtual-stages (default 2) chunks per stage."""
 
-import argparse
 import sys
 
+from hetjax import cli
 from hetjax.errors import ConfigError
-from hetjax.pipeline.schedule import KINDS, make_schedule, plot, timeline
+from hetjax.pipeline.schedule import KINDS, VIRTUAL_KINDS, make_schedule, plot, timeline
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetjax.pipeline", description=__doc__)
+    parser = cli.ArgumentParser(prog="python -m hetjax.pipeline", description=__doc__.split("`")[0].strip(),
+                                example="python -m hetjax.pipeline --stages 4 --microbatches 8 --schedule 1f1b "
+                                        "--png timeline.png")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedule", choices=KINDS, default="1f1b")
+    parser.add_argument("--schedule", choices=KINDS, help="one schedule (default: every one)")
+    parser.add_argument("--virtual-stages", type=int, help="chunks of layers per stage (default: 1 with "
+                        "--schedule, else 2 for the interleaved variants)")
     parser.add_argument("--png", help="also write a Gantt chart to this file (matplotlib)")
     args = parser.parse_args(argv)
     try:
-        schedule = make_schedule(args.schedule, args.stages, args.microbatches)
+        if args.schedule:
+            wanted = [(args.schedule, args.virtual_stages or 1)]
+        else:
+            V = args.virtual_stages or 2
+            wanted = [(k, 1) for k in KINDS] + ([(k, V) for k in VIRTUAL_KINDS] if V > 1 else [])
+        schedules = [make_schedule(k, args.stages, args.microbatches, v) for k, v in wanted]
+        if args.png:
+            cli.need("matplotlib", "plot", "--png")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(timeline(schedule))
-    if args.png:
-        plot(schedule, args.png)
-        print(f"wrote {args.png}")
+    for schedule in schedules:
+        print(timeline(schedule), end="\n\n")
+        if args.png:
+            # Several schedules: one file each, named after the schedule.
+            stem, dot, ext = args.png.rpartition(".") if "." in args.png else (args.png, ".", "png")
+            path = args.png if len(schedules) == 1 else f"{stem}_{schedule.kind}_v{schedule.virtual}{dot}{ext}"
+            plot(schedule, path)
+            print(f"wrote {path}")
     return 0
 
 

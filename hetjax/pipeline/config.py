@@ -7,6 +7,7 @@ import dataclasses
 from hetjax.errors import ConfigError
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "1f1b_fused")
+VIRTUAL_SCHEDULES = ("gpipe", "1f1b_fused")  # the schedules that run interleaved stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,6 +17,7 @@ class PipelineConfig:
     schedule: str = "1f1b"  # gpipe | 1f1b | 1f1b_fused (see hetjax/pipeline/schedule.py)
     microbatches: int = 4  # the global batch is split into this many micro-batches
     stage_layers: tuple = ()  # layers per stage, e.g. (3, 5); () splits num_layers evenly
+    virtual_stages: int = 1  # V > 1: each stage holds V interleaved chunks of layers (smaller bubble)
 
 
 def validate_pipeline(cfg) -> None:
@@ -25,12 +27,27 @@ def validate_pipeline(cfg) -> None:
         raise ConfigError(f"config.pipeline.schedule={p.schedule!r}: choose one of {PIPELINE_SCHEDULES}")
     if p.microbatches <= 0:
         raise ConfigError(f"config.pipeline.microbatches={p.microbatches}: must be positive")
+    V = p.virtual_stages
+    if not isinstance(V, int) or V < 1:
+        raise ConfigError(f"config.pipeline.virtual_stages={V!r}: must be an integer >= 1 (1: no interleaving)")
+    if V > 1 and p.schedule not in VIRTUAL_SCHEDULES:
+        raise ConfigError(f"config.pipeline.virtual_stages={V} with config.pipeline.schedule={p.schedule!r}: "
+                          f"interleaved stages run with {' or '.join(VIRTUAL_SCHEDULES)}; set "
+                          f"virtual_stages=1 or change the schedule")
     if stages == 1 or (stages == -1 and not p.stage_layers):
         return
     if cfg.optim.grad_accum_steps != 1:
         raise ConfigError(
             f"config.optim.grad_accum_steps={cfg.optim.grad_accum_steps} with config.mesh.pipeline="
             f"{stages}: the pipeline already splits the batch; set config.pipeline.microbatches instead")
+    if V > 1 and p.stage_layers:
+        raise ConfigError(f"config.pipeline.stage_layers={p.stage_layers} with config.pipeline.virtual_stages="
+                          f"{V}: interleaved chunks split the layers evenly; set stage_layers=()")
+    if V > 1 and cfg.model.num_layers % (V * max(stages, 1)):
+        raise ConfigError(
+            f"config.model.num_layers={cfg.model.num_layers} does not split into config.mesh.pipeline="
+            f"{stages} stages x config.pipeline.virtual_stages={V} equal chunks; use a multiple of "
+            f"{V * max(stages, 1)} layers or fewer virtual stages")
     if p.stage_layers:
         if stages != -1 and len(p.stage_layers) != stages:
             raise ConfigError(

@@ -22,6 +22,16 @@ ordered list of operations (`Schedule.ops`), stages on different islands.
   has run it, so after a warm-up of S-1 ticks each stage runs one forward and
   one backward per tick. Bubble (S-1)/(M+S-1), but stage s keeps up to
   2(S-1-s)+1 inputs (2S-3 > S from S=4): bounded in S, not by it.
+
+Interleaved (circular) stages, `virtual` = V > 1 (gpipe and 1f1b_fused): device s
+holds V chunks of layers, chunk v being virtual stage j = v*S + s of S*V, and a
+micro-batch goes round the devices V times (device S-1 sends chunk v's output to
+device 0's chunk v+1). Micro-batches move in groups of S: device s runs the
+forward of micro-batch m = g*S + i, chunk v at tick g*V*S + v*S + i + s, so every
+input, including the one coming round from the last device, is used in the tick
+after it is sent, and a tick holds 1/V of a stage's work: the warm-up and
+cool-down shrink by about V. The backward mirrors the forward (gpipe) or starts
+as soon as the last virtual stage has run the micro-batch (fused).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import dataclasses
 import numpy as np
 
 from hetjax.pipeline.config import PIPELINE_SCHEDULES as KINDS
+from hetjax.pipeline.config import VIRTUAL_SCHEDULES as VIRTUAL_KINDS
 from hetjax.errors import ConfigError
 
 
@@ -41,21 +52,37 @@ class Schedule:
     microbatches: int
     forward: np.ndarray  # (ticks, stages) int32: micro-batch run forward, -1 none
     backward: np.ndarray  # (ticks, stages) int32: micro-batch run backward, -1 none
+    virtual: int = 1  # chunks of layers per device (interleaved stages when > 1)
+    forward_chunk: np.ndarray | None = None  # (ticks, stages) int32: the chunk of each forward, -1 none
+    backward_chunk: np.ndarray | None = None  # (ticks, stages) int32: the chunk of each backward
+
+    def __post_init__(self):
+        # V = 1 needs no chunk tables: every operation runs chunk 0.
+        for name, table in (("forward_chunk", self.forward), ("backward_chunk", self.backward)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.where(table >= 0, 0, -1).astype(np.int32))
 
     @property
     def ticks(self) -> int:
         return self.forward.shape[0]
 
-    def tick_of(self, table: np.ndarray) -> np.ndarray:
-        """(microbatches, stages): the tick at which each micro-batch runs on each stage."""
-        out = np.full((self.microbatches, self.stages), -1)
+    @property
+    def name(self) -> str:
+        return self.kind if self.virtual == 1 else f"{self.kind} x{self.virtual} virtual"
+
+    def tick_of(self, table: np.ndarray, chunks: np.ndarray | None = None) -> np.ndarray:
+        """(microbatches, stages * virtual): the tick at which each micro-batch runs on
+        each virtual stage j = v*S + s (chunks: the table's chunk table; None: chunk 0)."""
+        out = np.full((self.microbatches, self.stages * self.virtual), -1)
         t, s = np.nonzero(table >= 0)
-        out[table[t, s], s] = t
+        v = 0 if chunks is None else chunks[t, s]
+        out[table[t, s], v * self.stages + s] = t
         return out
 
     def ops(self, stage: int) -> list[tuple[str, int]]:
         """This stage's operations in order: ("F", m) / ("B", m); a forward precedes
-        the backward of the same tick."""
+        the backward of the same tick. (Only for V = 1: islands hold one chunk.)"""
+        assert self.virtual == 1, "ops() lists one chunk per stage"
         out = []
         for t in range(self.ticks):
             if self.forward[t, stage] >= 0:
@@ -64,44 +91,77 @@ class Schedule:
                 out.append(("B", int(self.backward[t, stage])))
         return out
 
-    def arrivals(self) -> np.ndarray:
-        """(ticks, stages): the micro-batch whose activation stage s receives at the
-        start of tick t (sent by stage s-1 at tick t-1), -1 none."""
-        out = np.full_like(self.forward, -1)
-        out[1:, 1:] = self.forward[:-1, :-1]
+    def arrivals(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ticks, stages) twice: the micro-batch whose activation stage s receives at
+        the start of tick t (sent by stage s-1, or round from the last device when
+        V > 1, at tick t-1), -1 none, and the chunk it feeds."""
+        out, chunk = np.full_like(self.forward, -1), np.full_like(self.forward, -1)
+        out[1:, 1:], chunk[1:, 1:] = self.forward[:-1, :-1], self.forward_chunk[:-1, :-1]
+        if self.virtual > 1:  # the last device's chunk v feeds device 0's chunk v+1
+            wrap = (self.forward_chunk[:-1, -1] >= 0) & (self.forward_chunk[:-1, -1] < self.virtual - 1)
+            out[1:, 0] = np.where(wrap, self.forward[:-1, -1], -1)
+            chunk[1:, 0] = np.where(wrap, self.forward_chunk[:-1, -1] + 1, -1)
+        return out, chunk
+
+    def _holds(self) -> list[list[tuple[int, int, int, int]]]:
+        """Per stage: (arrival tick, backward tick, micro-batch, chunk) of every stage
+        input it keeps. The first virtual stage keeps none: it re-embeds its tokens."""
+        f = self.tick_of(self.forward, self.forward_chunk)
+        b = self.tick_of(self.backward, self.backward_chunk)
+        out = [[] for _ in range(self.stages)]
+        for j in range(1, self.stages * self.virtual):
+            v, s = divmod(j, self.stages)
+            out[s] += [(int(f[m, j - 1]) + 1, int(b[m, j]), m, v) for m in range(self.microbatches)]
         return out
 
     def in_flight(self) -> np.ndarray:
         """(stages,): the most stage inputs a stage holds at once, from the input's
-        arrival to the micro-batch's backward (inclusive). The first stage holds
-        none: it re-embeds its tokens."""
-        f, b = self.tick_of(self.forward), self.tick_of(self.backward)
-        out = np.zeros(self.stages, int)
-        for s in range(1, self.stages):
-            arrive = f[:, s - 1] + 1
-            out[s] = max(np.sum((arrive <= t) & (t <= b[:, s])) for t in range(self.ticks))
-        return out
+        arrival to the micro-batch's backward (inclusive)."""
+        return np.array([max((sum(a <= t <= b for a, b, _, _ in held) for t in range(self.ticks)), default=0)
+                         for held in self._holds()], int)
+
+    def slots(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Where each stage keeps its inputs: (ticks, stages) stash slots of the input
+        arriving, of the forward's input and of the backward's input (0 when none),
+        and the slot count (>= 1). Slots go lowest-free-first in order of arrival, so
+        in_flight().max() of them suffice."""
+        arrive, fwd, bwd = (np.zeros_like(self.forward) for _ in range(3))
+        f = self.tick_of(self.forward, self.forward_chunk)
+        count = 1
+        for s, held in enumerate(self._holds()):
+            free_at = []  # per slot: the first tick it is free again
+            for a, b, m, v in sorted(held):
+                slot = next((k for k, t in enumerate(free_at) if t <= a), len(free_at))
+                free_at[slot:slot + 1] = [b + 1]
+                arrive[a, s], fwd[f[m, v * self.stages + s], s], bwd[b, s] = slot, slot, slot
+            count = max(count, len(free_at))
+        return arrive, fwd, bwd, count
 
     def bubble_fraction(self, forward_cost: float = 1.0, backward_cost: float = 2.0) -> float:
         """Idle share of each stage's time when every tick lasts as long as its
-        slowest stage (a forward costs `forward_cost`, a backward `backward_cost`)."""
+        slowest stage (a forward costs `forward_cost`, a backward `backward_cost`,
+        for a whole stage: a chunk costs 1/V of it)."""
         per_stage = forward_cost * (self.forward >= 0) + backward_cost * (self.backward >= 0)
         total = per_stage.max(axis=1).sum()
-        return float(1.0 - self.microbatches * (forward_cost + backward_cost) / total)
+        return float(1.0 - self.microbatches * self.virtual * (forward_cost + backward_cost) / total)
 
 
-def make_schedule(kind: str, stages: int, microbatches: int) -> Schedule:
-    """The schedule `kind` (one of KINDS) for S stages and M micro-batches."""
-    S, M = stages, microbatches
+def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The schedule `kind` (one of KINDS) for S stages, M micro-batches and V chunks
+    of layers per stage (virtual stages; V > 1 for gpipe and 1f1b_fused)."""
+    S, M, V = stages, microbatches, virtual
     if kind not in KINDS:
         raise ConfigError(f"config.pipeline.schedule={kind!r}: choose one of {KINDS}")
-    if S < 1 or M < 1:
-        raise ConfigError(f"a schedule needs stages >= 1 and microbatches >= 1, got {S} and {M}")
+    if S < 1 or M < 1 or V < 1:
+        raise ConfigError(f"a schedule needs stages, microbatches and virtual_stages >= 1, got {S}, {M}, {V}")
     if kind.startswith("1f1b") and M < S:
         raise ConfigError(
             f"config.pipeline.microbatches={M} is smaller than the {S} pipeline stages: 1F1B "
             f"never fills the pipeline; use at least {S} micro-batches, or schedule='gpipe'")
-    m, s = np.meshgrid(np.arange(M), np.arange(S), indexing="ij")  # (M, S)
+    if V > 1 and kind not in VIRTUAL_KINDS:
+        raise ConfigError(f"config.pipeline.virtual_stages={V} with schedule={kind!r}: interleaved "
+                          f"stages run with {' or '.join(VIRTUAL_KINDS)}; set virtual_stages=1 or change the schedule")
+    m, v, s = np.meshgrid(np.arange(M), np.arange(V), np.arange(S), indexing="ij")  # (M, V, S)
     if kind == "1f1b":
         # Forwards on one parity of ticks, backwards on the other: each stage has
         # S-s forwards before its first backward (warm-up + the first of the
@@ -109,38 +169,50 @@ def make_schedule(kind: str, stages: int, microbatches: int) -> Schedule:
         # it is sent.
         fwd, bwd = 2 * m + s, 2 * m + 2 * S - 1 - s
     else:
-        fwd = m + s
-        # The last stage runs a micro-batch's backward in the tick of its forward;
-        # each earlier stage one tick after the stage behind it.
-        start = (M - 1 if kind == "gpipe" else m) + S - 1
-        bwd = (m if kind == "gpipe" else 0) + start + (S - 1 - s)
+        g, i = np.divmod(m, S)  # groups of S micro-batches go round the devices together
+        order = g * V * S + i  # a micro-batch's place in its device's forward order, chunk 0
+        fwd = order + v * S + s
+        last = fwd[:, V - 1, S - 1][:, None, None]  # when the last virtual stage runs m
+        # The last virtual stage runs a micro-batch's backward in the tick of its
+        # forward (fused) or after all forwards (gpipe); each earlier virtual stage
+        # one tick after the one behind it.
+        start = fwd.max() + order if kind == "gpipe" else last
+        bwd = start + (V - 1 - v) * S + (S - 1 - s)
     ticks = int(bwd.max()) + 1
-    forward = np.full((ticks, S), -1, np.int32)
-    backward = np.full((ticks, S), -1, np.int32)
-    forward[fwd, s] = m
-    backward[bwd, s] = m
-    schedule = Schedule(kind, S, M, forward, backward)
+    forward, backward, forward_chunk, backward_chunk = (np.full((ticks, S), -1, np.int32) for _ in range(4))
+    forward[fwd, s], forward_chunk[fwd, s] = m, v
+    backward[bwd, s], backward_chunk[bwd, s] = m, v
+    schedule = Schedule(kind, S, M, forward, backward, V, forward_chunk, backward_chunk)
     check(schedule)
     return schedule
 
 
-def forward_only(stages: int, microbatches: int) -> np.ndarray:
-    """(M+S-1, S) int32: the forward table of evaluation, micro-batch m on stage s
-    at tick m+s (-1 none)."""
-    t, s = np.meshgrid(np.arange(microbatches + stages - 1), np.arange(stages), indexing="ij")
-    return np.where((t - s >= 0) & (t - s < microbatches), t - s, -1).astype(np.int32)
+def forward_only(stages: int, microbatches: int, virtual: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Evaluation's forward table and its chunk table, (ticks, S) int32 each (-1 none):
+    the training schedule's forward order, micro-batch m = g*S + i, chunk v on stage s
+    at tick g*V*S + v*S + i + s (m + s when V = 1)."""
+    S, M, V = stages, microbatches, virtual
+    m, v, s = np.meshgrid(np.arange(M), np.arange(V), np.arange(S), indexing="ij")
+    g, i = np.divmod(m, S)
+    fwd = g * V * S + v * S + i + s
+    table, chunk = (np.full((int(fwd.max()) + 1, S), -1, np.int32) for _ in range(2))
+    table[fwd, s], chunk[fwd, s] = m, v
+    return table, chunk
 
 
 def check(schedule: Schedule) -> None:
-    """Raises ValueError unless every (micro-batch, stage) runs forward and backward
-    exactly once, in dependency order, as the SPMD pipeline needs."""
-    S, M = schedule.stages, schedule.microbatches
-    for name, table in (("forward", schedule.forward), ("backward", schedule.backward)):
+    """Raises ValueError unless every (micro-batch, virtual stage) runs forward and
+    backward exactly once, in dependency order, as the SPMD pipeline needs."""
+    S, M, V = schedule.stages, schedule.microbatches, schedule.virtual
+    for name, table, chunk in (("forward", schedule.forward, schedule.forward_chunk),
+                               ("backward", schedule.backward, schedule.backward_chunk)):
         for s in range(S):
-            runs = sorted(table[:, s][table[:, s] >= 0].tolist())
-            if runs != list(range(M)):
-                raise ValueError(f"stage {s} runs {name} of micro-batches {runs}, not each of 0..{M - 1} once")
-    f, b = schedule.tick_of(schedule.forward), schedule.tick_of(schedule.backward)
+            runs = sorted(zip(chunk[:, s][table[:, s] >= 0].tolist(), table[:, s][table[:, s] >= 0].tolist()))
+            if runs != [(c, mb) for c in range(V) for mb in range(M)]:
+                raise ValueError(f"stage {s} runs {name} of (chunk, micro-batch) {runs}, not each of "
+                                 f"{V} x 0..{M - 1} once")
+    f = schedule.tick_of(schedule.forward, schedule.forward_chunk)
+    b = schedule.tick_of(schedule.backward, schedule.backward_chunk)
     if np.any(f[:, 1:] <= f[:, :-1]):
         raise ValueError("a stage runs a forward before the previous stage has sent its input")
     if np.any(b < f):
@@ -156,12 +228,16 @@ def check(schedule: Schedule) -> None:
 
 def timeline(schedule: Schedule) -> str:
     """One row per stage, one column per tick: `F3` forward of micro-batch 3,
-    `B3` its backward, `F3B1` both in one tick, `.` idle."""
-    cells = [[(f"F{f}" if f >= 0 else "") + (f"B{b}" if b >= 0 else "") or "."
-              for f, b in zip(schedule.forward[:, s], schedule.backward[:, s])]
+    `B3` its backward, `F3B1` both in one tick, `.` idle; with virtual stages
+    `F3.1` is micro-batch 3's forward through the stage's chunk 1."""
+    def op(name, m, v):
+        return "" if m < 0 else f"{name}{m}" + (f".{v}" if schedule.virtual > 1 else "")
+    cells = [[op("F", f, fv) + op("B", b, bv) or "."
+              for f, fv, b, bv in zip(schedule.forward[:, s], schedule.forward_chunk[:, s],
+                                      schedule.backward[:, s], schedule.backward_chunk[:, s])]
              for s in range(schedule.stages)]
     width = max(len(c) for row in cells for c in row)
-    header = (f"{schedule.kind}: {schedule.stages} stages, {schedule.microbatches} micro-batches, "
+    header = (f"{schedule.name}: {schedule.stages} stages, {schedule.microbatches} micro-batches, "
               f"{schedule.ticks} ticks, bubble {schedule.bubble_fraction():.1%} "
               f"(backward = 2 x forward), at most {schedule.in_flight().max()} stashed inputs per stage")
     ticks = "tick    " + " ".join(f"{t:<{width}}" for t in range(schedule.ticks))
@@ -187,13 +263,16 @@ def plot(schedule: Schedule, path: str, forward_cost: float = 1.0, backward_cost
                 m = table[t, s]
                 if m >= 0:
                     ax.barh(s, cost, left=x, color=colors(m % 20), hatch=hatch, edgecolor="black")
-                    ax.text(x + cost / 2, s, ("F" if table is schedule.forward else "B") + str(m),
-                            ha="center", va="center", fontsize=7)
+                    chunks = schedule.forward_chunk if table is schedule.forward else schedule.backward_chunk
+                    label = ("F" if table is schedule.forward else "B") + str(m)
+                    if schedule.virtual > 1:
+                        label += f".{chunks[t, s]}"
+                    ax.text(x + cost / 2, s, label, ha="center", va="center", fontsize=7)
                     x += cost
     ax.set_yticks(range(schedule.stages), [f"stage {s}" for s in range(schedule.stages)])
     ax.invert_yaxis()
     ax.set_xlabel("time (forward = 1)")
-    ax.set_title(f"{schedule.kind}, S={schedule.stages}, M={schedule.microbatches}, "
+    ax.set_title(f"{schedule.name}, S={schedule.stages}, M={schedule.microbatches}, "
                  f"bubble {schedule.bubble_fraction(forward_cost, backward_cost):.1%}")
     fig.tight_layout()
     fig.savefig(path)

@@ -7,10 +7,13 @@ by its own index (lax.axis_index), runs at most one forward and one backward
 (lax.switch: idle slots cost nothing), and exchanges activations and their
 gradients with its neighbours (lax.ppermute). A backward recomputes the stage
 from its stashed input (jax.vjp), so a stage holds only the inputs of the
-micro-batches in flight (Schedule.in_flight sizes the stash): M for GPipe, at
-most S-1 for 1F1B, 2S-3 for 1F1B fused. A tick lasts as long as the slowest
-stage's branches. Parameter gradients accumulate in the scan carry; the
-optimizer step is the unpipelined one.
+micro-batches in flight (Schedule.slots places them in the stash): M for GPipe,
+at most S-1 for 1F1B, 2S-3 for 1F1B fused. A tick lasts as long as the slowest
+stage's branches. With interleaved stages (config.pipeline.virtual_stages = V) a
+stage holds V chunks of layers; a branch runs one chunk (a static slice of the
+stage's layers), and the last device's output goes round to the first device.
+Parameter gradients accumulate in the scan carry (a chunk's into its rows only);
+the optimizer step is the unpipelined one.
 
 The embedding and the loss head are replicated over `pipeline` (still sharded by
 fsdp/tensor): their weights and Adam moments sit on every stage, but only the
@@ -57,10 +60,10 @@ class Plan:
 
     @property
     def slots(self) -> int:
-        return max(1, int(self.schedule.in_flight().max()))
+        return self.schedule.slots()[3]
 
     def describe(self) -> str:
-        return (f"pipeline: {self.schedule.kind}, {self.stages} stages of {self.layout.stage_layers} "
+        return (f"pipeline: {self.schedule.name}, {self.stages} stages of {self.layout.stage_layers} "
                 f"layers, {self.microbatches} micro-batches, {self.schedule.ticks} ticks; predicted "
                 f"bubble {self.schedule.bubble_fraction():.1%}; at most {self.slots} stashed "
                 f"stage inputs per stage")
@@ -72,7 +75,8 @@ def make_plan(cfg, mesh: Mesh) -> Plan | None:
     if S == 1:
         return None
     M = cfg.pipeline.microbatches
-    layout = make_layout(cfg.model.num_layers, S, cfg.pipeline.stage_layers)
+    V = cfg.pipeline.virtual_stages
+    layout = make_layout(cfg.model.num_layers, S, cfg.pipeline.stage_layers, V)
     if cfg.batch_size % M:
         raise ConfigError(
             f"config.batch_size={cfg.batch_size} is not divisible by config.pipeline.microbatches="
@@ -83,7 +87,7 @@ def make_plan(cfg, mesh: Mesh) -> Plan | None:
             f"a micro-batch of config.batch_size/config.pipeline.microbatches = "
             f"{cfg.batch_size}/{M} = {cfg.batch_size // M} rows does not split over data x fsdp = "
             f"{shards} devices; raise config.batch_size or lower config.pipeline.microbatches")
-    return Plan(make_schedule(cfg.pipeline.schedule, S, M), layout)
+    return Plan(make_schedule(cfg.pipeline.schedule, S, M, V), layout)
 
 
 def sharding_rules(rules) -> tuple:
@@ -111,17 +115,40 @@ def _inside(body, rules):
 
 
 def _stage_setup(graphdef, plan: Plan, params, micro):
-    """Inside the shard_map: (this stage's index, its valid layers or None, pick(m) ->
-    micro-batch m (any m < 0 picks 0), a zero stage activation)."""
+    """Inside the shard_map: (this stage's index, chunk(v) -> (chunk v's parameters, its
+    valid layers or None), pick(m) -> micro-batch m (any m < 0 picks 0), a zero stage
+    activation)."""
     s = jax.lax.axis_index(AXIS)
     valid = jnp.asarray(plan.layout.valid())[s] if plan.layout.padded else None
+    V, C = plan.layout.virtual, plan.layout.per_stage
+
+    def chunk(v):
+        if V == 1:
+            return params, valid
+        cut = slice(v * C, (v + 1) * C)
+        return map_blocks(lambda x: x[cut], params), None if valid is None else valid[cut]
 
     def pick(m):
         return jax.tree.map(lambda v: v[jnp.maximum(m, 0)], micro)
 
-    act = jax.eval_shape(lambda: stage_forward(graphdef, params, None, pick(0), first=True,
-                                               last=False, valid=valid))
-    return s, valid, pick, jnp.zeros(act.shape, act.dtype)
+    act = jax.eval_shape(lambda: stage_forward(graphdef, chunk(0)[0], None, pick(0), first=True,
+                                               last=False, valid=chunk(0)[1]))
+    return s, chunk, pick, jnp.zeros(act.shape, act.dtype)
+
+
+def _ring(S: int, V: int) -> tuple[list, list]:
+    """ppermute pairs forward and backward; round from the last device to the first
+    (and back) when stages are interleaved."""
+    to_next, to_prev = [(i, i + 1) for i in range(S - 1)], [(i + 1, i) for i in range(S - 1)]
+    if V > 1:
+        to_next, to_prev = to_next + [(S - 1, 0)], to_prev + [(0, S - 1)]
+    return to_next, to_prev
+
+
+def _kinds(chunks: np.ndarray, S: int, V: int) -> np.ndarray:
+    """(ticks, S): 0/1/2 for an operation of the first/a middle/the last virtual stage, -1 none."""
+    j = chunks * S + np.arange(S)
+    return np.where(chunks < 0, -1, np.where(j == 0, 0, np.where(j == S * V - 1, 2, 1)))
 
 
 def _run_stages(body, mesh: Mesh, rules, plan: Plan, params, batch, out_specs):
@@ -132,49 +159,59 @@ def _run_stages(body, mesh: Mesh, rules, plan: Plan, params, batch, out_specs):
                              out_specs=out_specs, axis_names={AXIS}, check_vma=False)(params, micro)
 
 
+def _add_rows(acc, x, start):
+    """acc[start:start + len(x)] += x (start traced)."""
+    return jax.lax.dynamic_update_slice_in_dim(
+        acc, jax.lax.dynamic_slice_in_dim(acc, start, x.shape[0], 0) + x, start, 0)
+
+
 def _gather_free(mesh: Mesh) -> bool:
     return sum(mesh.shape[a] > 1 for a in ("data", "fsdp", "tensor")) > 1
 
 
-def _work_table(sched: Schedule) -> tuple[np.ndarray, list[tuple[int, bool, bool]]]:
-    """(ticks, stages) int32 index into the (stage kind, forward?, backward?) combinations
-    that occur; kind 0/1/2 is the first/a middle/the last stage. The last stage runs no
-    separate forward: its backward computes the loss."""
-    S = sched.stages
-    kind = np.array([0] + [1] * (S - 2) + [2])
-    fwd = (sched.forward >= 0) & (kind < 2)
-    bwd = sched.backward >= 0
-    kind = np.where(fwd | bwd, kind, 0)  # an idle tick is the same on every stage: one branch
-    combos = np.stack(np.broadcast_arrays(kind, fwd, bwd), -1).reshape(-1, 3)
+def _work_table(sched: Schedule) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
+    """(ticks, stages) int32 index into the (forward kind, forward chunk, backward kind,
+    backward chunk) combinations that occur, -1 for no operation; kind 0/1/2 is the
+    first/a middle/the last virtual stage. The last runs no separate forward: its
+    backward computes the loss."""
+    S, V = sched.stages, sched.virtual
+    fk, bk = _kinds(sched.forward_chunk, S, V), _kinds(sched.backward_chunk, S, V)
+    fc = np.where((fk >= 0) & (fk < 2), sched.forward_chunk, -1)
+    fk = np.where(fc >= 0, fk, -1)
+    combos = np.stack([fk, fc, bk, sched.backward_chunk], -1).reshape(-1, 4)
     unique, index = np.unique(combos, axis=0, return_inverse=True)
-    return (index.reshape(fwd.shape).astype(np.int32),
-            [(int(k), bool(f), bool(b)) for k, f, b in unique])
+    return index.reshape(fk.shape).astype(np.int32), [tuple(int(c) for c in u) for u in unique]
 
 
 def make_grad_fn(graphdef, mesh: Mesh, rules, plan: Plan):
     """(params in pipeline layout, batch) -> (loss sum, token count, summed gradients)."""
-    S, K = plan.stages, plan.slots
+    S, V, K, C = plan.stages, plan.layout.virtual, plan.slots, plan.layout.per_stage
     sched = plan.schedule
     work, combos = _work_table(sched)
-    tables = tuple(jnp.asarray(t) for t in (sched.forward, sched.backward, sched.arrivals(), work))
+    arrived, _ = sched.arrivals()
+    arrive_slot, f_slot, b_slot, _ = sched.slots()
+    tables = tuple(jnp.asarray(t) for t in (sched.forward, sched.backward, arrived, arrive_slot, f_slot,
+                                            b_slot, work, np.maximum(sched.backward_chunk, 0)))
     gather_free = _gather_free(mesh)
-    to_next = [(i, i + 1) for i in range(S - 1)]
-    to_prev = [(i + 1, i) for i in range(S - 1)]
+    to_next, to_prev = _ring(S, V)
 
     def body(params, micro):
-        s, valid, pick, zeros_act = _stage_setup(graphdef, plan, params, micro)
-        zero_grads = jax.tree.map(jnp.zeros_like, params)
+        s, chunk, pick, zeros_act = _stage_setup(graphdef, plan, params, micro)
+        zero_grads = jax.tree.map(jnp.zeros_like, chunk(0)[0])  # a branch's: one chunk's layers
+        is_rows = map_blocks(lambda _: True, params, other=lambda _: False)
 
-        def branch(kind, fwd, bwd):
+        def branch(fkind, fchunk, bkind, bchunk):
             def run(x_f, mb_f, x_b, mb_b, dy):
                 y = zeros_act
-                if fwd:
-                    y = stage_forward(graphdef, params, x_f, mb_f, first=kind == 0, last=False,
+                if fchunk >= 0:
+                    p, valid = chunk(fchunk)
+                    y = stage_forward(graphdef, p, x_f, mb_f, first=fkind == 0, last=False,
                                       valid=valid, gather_free=gather_free)
                 g, dx, l = zero_grads, zeros_act, jnp.zeros((), jnp.float32)
-                if bwd:
-                    g, dx, l = stage_backward(graphdef, params, x_b, mb_b, dy, first=kind == 0,
-                                              last=kind == 2, valid=valid, gather_free=gather_free)
+                if bchunk >= 0:
+                    p, valid = chunk(bchunk)
+                    g, dx, l = stage_backward(graphdef, p, x_b, mb_b, dy, first=bkind == 0,
+                                              last=bkind == 2, valid=valid, gather_free=gather_free)
                 return y, g, dx, l
             return run
 
@@ -182,23 +219,25 @@ def make_grad_fn(graphdef, mesh: Mesh, rules, plan: Plan):
 
         def tick(carry, row):
             stash, recv_x, recv_dx, grads, loss = carry
-            f, b, arrived, w = (t[s] for t in row)
-            # An arriving activation goes into its micro-batch's slot until its backward.
-            slot = jnp.maximum(arrived, 0) % K
+            f, b, arrived, slot, fs, bs, w, bc = (t[s] for t in row)
+            # An arriving activation stays in its slot until its backward.
             stash = jax.lax.dynamic_update_index_in_dim(
                 stash, jnp.where(arrived >= 0, recv_x, stash[slot]), slot, 0)
             # One switch runs the tick's forward and backward: the collectives inside
             # (fsdp/tensor) then follow one program order on every device. With two
             # switches the CPU runtime may start either first and deadlock.
-            y, g, dx, l = jax.lax.switch(w, branches, stash[jnp.maximum(f, 0) % K], pick(f),
-                                         stash[jnp.maximum(b, 0) % K], pick(b), recv_dx)
-            grads = jax.tree.map(jnp.add, grads, g)
+            y, g, dx, l = jax.lax.switch(w, branches, stash[fs], pick(f), stash[bs], pick(b), recv_dx)
+            if V == 1:
+                grads = jax.tree.map(jnp.add, grads, g)
+            else:  # add chunk bc's layer gradients into its rows only
+                grads = jax.tree.map(lambda rows, acc, x: _add_rows(acc, x, bc * C) if rows else acc + x,
+                                     is_rows, grads, g)
             recv_x = jax.lax.ppermute(y, AXIS, to_next)
             recv_dx = jax.lax.ppermute(dx, AXIS, to_prev)
             return (stash, recv_x, recv_dx, grads, loss + l), None
 
         stash = jnp.zeros((K, *zeros_act.shape), zeros_act.dtype)
-        init = (stash, zeros_act, zeros_act, zero_grads, jnp.zeros((), jnp.float32))
+        init = (stash, zeros_act, zeros_act, jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
         (_, _, _, grads, loss), _ = jax.lax.scan(tick, init, tables)
         # Embedding and head gradients come from the first and last stages.
         grads = map_blocks(lambda g: g, grads, other=lambda g: jax.lax.psum(g, AXIS))
@@ -223,33 +262,40 @@ def make_train_step(graphdef, tx, lr_schedule, mesh: Mesh, rules, plan: Plan):
 
 
 def make_eval_step(graphdef, mesh: Mesh, rules, plan: Plan):
-    """Forward only: micro-batch m is on stage s at tick m+s; the last stage adds up the loss."""
-    S = plan.stages
-    forward_table = jnp.asarray(forward_only(S, plan.microbatches))
+    """Forward only, in the training schedule's forward order (micro-batch m on stage s
+    at tick m+s without interleaving); the last virtual stage adds up the loss. Every
+    input is used in the tick after it is sent: no stash."""
+    S, V = plan.stages, plan.layout.virtual
+    table, chunks = forward_only(S, plan.microbatches, V)
+    kinds = _kinds(chunks, S, V)
+    combos, work = np.unique(np.stack([kinds, chunks], -1).reshape(-1, 2), axis=0, return_inverse=True)
+    tables = (jnp.asarray(table), jnp.asarray(work.reshape(table.shape).astype(np.int32)))
     gather_free = _gather_free(mesh)
-    to_next = [(i, i + 1) for i in range(S - 1)]
+    to_next, _ = _ring(S, V)
 
     def body(params, micro):
-        s, valid, pick, zeros_act = _stage_setup(graphdef, plan, params, micro)
-        kind = jnp.where(s == 0, 0, jnp.where(s == S - 1, 2, 1))
+        s, chunk, pick, zeros_act = _stage_setup(graphdef, plan, params, micro)
         zero = (zeros_act, jnp.zeros((), jnp.float32))
 
-        def run(first, last):
+        def run(kind, v):
             def branch(x, mb):
-                out = stage_forward(graphdef, params, x, mb, first=first, last=last, valid=valid,
+                if v < 0:
+                    return zero
+                p, valid = chunk(v)
+                out = stage_forward(graphdef, p, x, mb, first=kind == 0, last=kind == 2, valid=valid,
                                     gather_free=gather_free)
-                return (zero[0], out) if last else (out, zero[1])
+                return (zero[0], out) if kind == 2 else (out, zero[1])
             return branch
 
-        branches = [run(True, False), run(False, False), run(False, True), lambda x, mb: zero]
+        branches = [run(int(k), int(v)) for k, v in combos]
 
         def tick(carry, row):
             x, loss = carry
-            m = row[s]
-            y, l = jax.lax.switch(jnp.where(m >= 0, kind, 3), branches, x, pick(m))
+            m, w = (t[s] for t in row)
+            y, l = jax.lax.switch(w, branches, x, pick(m))
             return (jax.lax.ppermute(y, AXIS, to_next), loss + l), None
 
-        (_, loss), _ = jax.lax.scan(tick, zero, forward_table)
+        (_, loss), _ = jax.lax.scan(tick, zero, tables)
         return jax.lax.psum(loss, AXIS)
 
     def eval_step(params, batch):

@@ -13,6 +13,11 @@ An uneven split pads every stage to the longest one, P = max(stage_layers),
 giving a leading axis of S*P that the pipeline axis divides. Padding layers are
 zero and masked to the identity, so their gradients, Adam moments and weight
 decay are exactly zero and they never change.
+
+Interleaved stages (virtual = V > 1): the layers are cut into S*V equal chunks and
+stage s holds chunks s, S+s, 2S+s, ... (virtual stage j = v*S + s is its chunk v),
+stored as its V chunks one after the other. That layout is a permutation of the
+model's, which to_stages/from_stages convert exactly both ways.
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ from hetjax.models.llama import BLOCKS  # noqa: F401 - the stacked layers' name,
 
 @dataclasses.dataclass(frozen=True)
 class StageLayout:
-    stage_layers: tuple[int, ...]
+    stage_layers: tuple[int, ...]  # layers of each virtual stage j = v*S + s (S*V of them)
+    virtual: int = 1  # chunks per stage
 
     @property
     def stages(self) -> int:
-        return len(self.stage_layers)
+        return len(self.stage_layers) // self.virtual
 
     @property
     def per_stage(self) -> int:
@@ -46,27 +52,43 @@ class StageLayout:
     def padded(self) -> bool:
         return len(set(self.stage_layers)) > 1
 
+    @property
+    def reordered(self) -> bool:
+        """Whether the pipeline layout differs from the model's (padding or chunks)."""
+        return self.padded or self.virtual > 1
+
     def source(self) -> np.ndarray:
-        """(S*P,): the model layer at each padded position, -1 for padding."""
-        out = np.full((self.stages, self.per_stage), -1)
+        """(S*V*P,): the model layer at each padded position, -1 for padding; stage s's
+        chunk v (virtual stage v*S + s) is at positions [(s*V + v)*P, (s*V + v + 1)*P)."""
+        S, V, P = self.stages, self.virtual, self.per_stage
+        out = np.full((S, V, P), -1)
         start = 0
-        for s, n in enumerate(self.stage_layers):
-            out[s, :n] = np.arange(start, start + n)
+        for j, n in enumerate(self.stage_layers):
+            v, s = divmod(j, S)
+            out[s, v, :n] = np.arange(start, start + n)
             start += n
         return out.reshape(-1)
 
     def valid(self) -> np.ndarray:
-        """(S, P) bool: which positions of each stage hold a real layer."""
-        return (self.source() >= 0).reshape(self.stages, self.per_stage)
+        """(S, V*P) bool: which positions of each stage hold a real layer."""
+        return (self.source() >= 0).reshape(self.stages, self.virtual * self.per_stage)
 
     def stage_range(self, stage: int) -> tuple[int, int]:
-        """Model layers [start, stop) of this stage."""
+        """Model layers [start, stop) of this (virtual) stage."""
         start = sum(self.stage_layers[:stage])
         return start, start + self.stage_layers[stage]
 
 
-def make_layout(num_layers: int, stages: int, stage_layers=()) -> StageLayout:
-    """Layers per stage: `stage_layers` if given, else an even split (ConfigError otherwise)."""
+def make_layout(num_layers: int, stages: int, stage_layers=(), virtual: int = 1) -> StageLayout:
+    """Layers per stage: `stage_layers` if given, else an even split (ConfigError
+    otherwise); with `virtual` chunks per stage, an even split into stages * virtual."""
+    if virtual > 1:
+        if stage_layers or num_layers % (stages * virtual):
+            raise ConfigError(
+                f"config.model.num_layers={num_layers} with config.pipeline.stage_layers={tuple(stage_layers)}: "
+                f"config.pipeline.virtual_stages={virtual} needs an even split into {stages} x {virtual} "
+                f"chunks (stage_layers=() and num_layers a multiple of {stages * virtual})")
+        return StageLayout((num_layers // (stages * virtual),) * (stages * virtual), virtual)
     if stage_layers:
         stage_layers = tuple(stage_layers)
         if len(stage_layers) != stages:
@@ -96,9 +118,19 @@ def map_blocks(fn, tree, other=lambda x: x):
     return jax.tree_util.tree_map_with_path(lambda p, x: fn(x) if _is_blocks(p) else other(x), tree)
 
 
+def permute_layers(tree, index):
+    """Every stacked-layer leaf of `tree` taken at `index` along its layer axis: the
+    parameters' `blocks` and, in a train state, the optimizer slots that mirror them
+    (their key paths hold `blocks` deeper down)."""
+    def one(path, x):
+        names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+        return x[index] if BLOCKS in names else x
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
 def to_stages(params, layout: StageLayout):
-    """Model layout (L, ...) -> pipeline layout (S*P, ...), padding with zeros."""
-    if not layout.padded:
+    """Model layout (L, ...) -> pipeline layout (S*V*P, ...), padding with zeros."""
+    if not layout.reordered:
         return params
     src = layout.source()
     idx, keep = np.maximum(src, 0), src >= 0
@@ -110,10 +142,12 @@ def to_stages(params, layout: StageLayout):
 
 
 def from_stages(params, layout: StageLayout):
-    """Pipeline layout (S*P, ...) -> model layout (L, ...)."""
-    if not layout.padded:
+    """Pipeline layout (S*V*P, ...) -> model layout (L, ...)."""
+    if not layout.reordered:
         return params
-    real = np.nonzero(layout.source() >= 0)[0]
+    src = layout.source()
+    real = np.nonzero(src >= 0)[0]
+    real = real[np.argsort(src[real])]  # model layer order
     return map_blocks(lambda x: x[real], params)
 
 

@@ -6,7 +6,6 @@ failed, 2 a usage error, 3 the comparison is void (different data or initial wei
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -17,9 +16,13 @@ from hetjax.repro import compare as compare_lib
 from hetjax.repro import platforms as platforms_lib
 
 
+LAYOUTS = "fsdp=8; fsdp=4,tensor=2; pipeline=2"  # each divides tiny's 2 kv heads
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hetjax.repro", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(prog="python -m hetjax.repro", description=__doc__,
+                           example=f"python -m hetjax.repro check --config tiny --layouts {LAYOUTS!r}\n"
+                                   "python -m hetjax.repro compare runs/a runs/b")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="compare the fingerprints of two run directories")
     c.add_argument("run_a")
@@ -27,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("check", help="train one config under several layouts and compare them",
                        epilog="Other arguments --config.KEY=VALUE override the config for every layout.")
     k.add_argument("--config", required=True)
-    k.add_argument("--layouts", default="fsdp=8; fsdp=2,tensor=4; pipeline=2",
+    k.add_argument("--layouts", default=LAYOUTS,
                    help="';'-separated layouts, each 'axis=size,...' or 'islands=N'")
     k.add_argument("--out", default="runs/repro_check", help="a new directory for the runs")
     k.add_argument("--steps", type=int, default=20)
@@ -60,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
             report = compare_lib.compare(args.run_a, args.run_b, args.rtol, args.norm_rtol)
             print(compare_lib.describe(report))
             if report.steps:
+                try:  # the verdict stands without its picture: keep its exit code
+                    cli.need("matplotlib", "plot", "the comparison's plot")
+                except config_lib.ConfigError as e:
+                    print(f"no plot: {e}", file=sys.stderr)
+                    return report.code
                 path = compare_lib.plot(args.run_a, args.run_b, args.plot or Path(args.run_b) / "compare.png")
                 print(f"plot: {path}")
             return report.code

@@ -10,7 +10,10 @@ parameter digest, which every run records, proves it (a mismatch voids the row).
 
 Layout syntax: `axis=size[,axis=size...]` over the mesh axes pipeline, data, fsdp,
 tensor; unnamed axes are 1, except fsdp, which takes the remaining devices unless it
-is named. `islands=N` asks hetjax.hetero.layouts.islands_layout(cfg, N) for a Layout.
+is named. `virtual_stages=V` (with pipeline=S) interleaves V chunks of layers per stage
+(config.pipeline.virtual_stages), under the config's schedule or, when that one does not
+interleave, 1f1b_fused. `islands=N` asks hetjax.hetero.layouts.islands_layout(cfg, N) for
+a Layout.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 from hetjax import config as config_lib
 from hetjax.errors import ConfigError
 from hetjax.mesh import MESH_AXES
+from hetjax.pipeline.config import VIRTUAL_SCHEDULES
 from hetjax.repro import compare as compare_lib
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -58,9 +62,9 @@ def parse(text: str) -> list[tuple[str, dict[str, int]]]:
         sizes = {}
         for part in item.split(","):
             m = re.fullmatch(r"\s*(\w+)\s*=\s*(-?\d+)\s*", part)
-            if not m or m.group(1) not in (*MESH_AXES, "islands"):
+            if not m or m.group(1) not in (*MESH_AXES, "islands", "virtual_stages"):
                 raise ConfigError(f"--layouts: {part.strip()!r} in {item!r} is not AXIS=SIZE with AXIS one "
-                                  f"of {', '.join(MESH_AXES)}, islands; e.g. 'fsdp=2,tensor=4'")
+                                  f"of {', '.join(MESH_AXES)}, virtual_stages, islands; e.g. 'fsdp=2,tensor=4'")
             sizes[m.group(1)] = int(m.group(2))
         if "islands" in sizes and len(sizes) > 1:
             raise ConfigError(f"--layouts: {item!r}: islands=N takes no mesh axes (the islands choose theirs)")
@@ -81,10 +85,17 @@ def layout(name: str, sizes: dict[str, int], cfg, devices: int, config: str = ""
         got = islands_layout(cfg, sizes["islands"], config, devices)
         return Layout(name, dict(getattr(got, "overrides", got)), getattr(got, "devices", None),
                       getattr(got, "module", "hetjax.train"), getattr(got, "config", None))
+    sizes = dict(sizes)
+    virtual = sizes.pop("virtual_stages", None)
     mesh = {a: 1 for a in MESH_AXES} | {"fsdp": -1} | sizes
     if -1 not in mesh.values():
         devices = math.prod(mesh.values())
-    return Layout(name, {f"mesh.{a}": str(v) for a, v in mesh.items()}, devices)
+    overrides = {f"mesh.{a}": str(v) for a, v in mesh.items()}
+    if virtual is not None:
+        overrides["pipeline.virtual_stages"] = str(virtual)
+        if virtual > 1 and cfg.pipeline.schedule not in VIRTUAL_SCHEDULES:
+            overrides["pipeline.schedule"] = "1f1b_fused"
+    return Layout(name, overrides, devices)
 
 
 def slug(name: str) -> str:

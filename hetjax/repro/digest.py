@@ -93,9 +93,20 @@ def path_name(keypath) -> str:
 def leaf_checksums(tree) -> dict[str, str]:
     """'path/to/leaf' -> 16 hex digits, for every array leaf of `tree`: what a checkpoint
     saves to verify each leaf when it is read back."""
+    return start_leaf_checksums(tree)()
+
+
+def start_leaf_checksums(tree):
+    """leaf_checksums in two halves: the hashing is dispatched to the devices now (in
+    program order, before later steps can donate the arrays), and the function returned
+    waits for the few words per leaf and formats them, on any thread."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    hashes = jax.device_get(_tree_hashes([x for _, x in leaves]))
-    return {path_name(p): f"{int(h[0]):08x}{int(h[1]):08x}" for (p, _), h in zip(leaves, hashes)}
+    names = [path_name(p) for p, _ in leaves]
+    hashes = _tree_hashes([x for _, x in leaves])
+
+    def finish() -> dict[str, str]:
+        return {name: f"{int(h[0]):08x}{int(h[1]):08x}" for name, h in zip(names, jax.device_get(hashes))}
+    return finish
 
 
 def params_checksum(params, hashes: dict[str, str] | None = None) -> str:

@@ -4,6 +4,7 @@ and building the destination array from received blocks (with the fan-out)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import queue
 import sys
 import threading
@@ -274,6 +275,9 @@ def build(aval, plan: Plan, dst: Layout, process: int, blocks: dict[int, object]
     host or device array), copied to every replica in this process. When a replica
     group spans processes, an Unspread whose fan-out Handle.wait runs."""
     sharding = aval.sharding
+    if not math.prod(aval.shape):  # a zero-size array: no piece crossed the link, nothing to fill in
+        empty = np.empty(aval.shape, aval.dtype)
+        return jax.make_array_from_callback(tuple(aval.shape), sharding, lambda index: empty[index])
     if (len(blocks) == len(plan.groups) and set(dst.processes) == {process}
             and all(isinstance(b, np.ndarray) for b in blocks.values())):
         # Every block is (small) host memory and every device is ours: one placement of the

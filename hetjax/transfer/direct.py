@@ -11,6 +11,9 @@ an HMAC of (tag, processes, shapes, dtypes, layouts) under the job's secret: a p
 without the secret cannot name an offer, and a receive whose tag, shape, dtype or
 layout differs from the send matches no offer and times out naming the peer. The
 transport is TCP; there is no per-chunk checksum on this path (use `host` for one).
+With each message the sender also offers a small descriptor (every leaf's dtype, shape
+and both layouts), which the receiver pulls beside the data: a receive whose message
+differs from the send names the difference at once, not after the timeout.
 Pulls have no working deadline in jax (a dead sender blocks them forever), so each
 pull runs in a daemon thread that we stop waiting for after timeout_s. Here timeout_s
 bounds each source's whole transfer, data included (`host` times out on silence).
@@ -22,6 +25,8 @@ import hashlib
 import hmac
 import json
 import threading
+import time
+import zlib
 
 import jax
 import numpy as np
@@ -30,8 +35,40 @@ from jax.sharding import SingleDeviceSharding
 
 from hetjax.transfer import core
 from hetjax.transfer.api import Endpoint
-from hetjax.transfer.link import TransferTimeout, address
+from hetjax.transfer.link import TransferError, TransferTimeout, address
 from hetjax.transfer.plan import extent
+
+DESCRIPTOR_BYTES = 4096  # a message's descriptor: its length, then zlib'd JSON, padded
+
+
+def describe(avals, src, dst) -> list[str]:
+    """Each leaf as the two sides must agree on it: dtype, shape, both layouts."""
+    def layout(x):
+        return f"mesh {dict(zip(x.axis_names, x.mesh_shape))} spec {list(x.spec)} processes {list(x.processes)}"
+    return [f"{np.dtype(a.dtype).name}{list(a.shape)} from {layout(s)} to {layout(d)}" for a, s, d in zip(avals, src, dst)]
+
+
+def pack(leaves: list[str]) -> np.ndarray:
+    """The descriptor as DESCRIPTOR_BYTES bytes (leaves at the end dropped if it would not fit)."""
+    for n in range(len(leaves), -1, -1):
+        data = zlib.compress(json.dumps({"count": len(leaves), "leaves": leaves[:n]}).encode())
+        if len(data) <= DESCRIPTOR_BYTES - 4:
+            out = np.zeros(DESCRIPTOR_BYTES, np.uint8)
+            out[:4] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)
+            out[4:4 + len(data)] = np.frombuffer(data, np.uint8)
+            return out
+    raise AssertionError("an empty descriptor always fits")
+
+
+def disagreement(theirs: np.ndarray, ours: list[str]) -> str | None:
+    """How the sender's descriptor differs from this receive's leaves (None: it does not)."""
+    got = json.loads(zlib.decompress(theirs[4:4 + int.from_bytes(theirs[:4].tobytes(), "little")].tobytes()))
+    if got["count"] != len(ours):
+        return f"the sender sends {got['count']} arrays, this receive expects {len(ours)}"
+    for i, (a, b) in enumerate(zip(got["leaves"], ours)):
+        if a != b:
+            return f"leaf {i} is sent as {a}, but this receive expects {b}"
+    return None
 
 
 class DirectEndpoint(Endpoint):
@@ -44,11 +81,13 @@ class DirectEndpoint(Endpoint):
             client, address(hosts[0], cfg.port), [address(h, 0) for h in hosts])
         self.addresses = (self._server.address(),)
         self._conns: dict[str, object] = {}
+        self._descriptors: dict[str, jax.Array] = {}
         self._lock = threading.Lock()
 
     def _uuid(self, tag, p, q, avals, src, dst) -> int:
-        what = json.dumps([tag, p, q] + [[list(a.shape), np.dtype(a.dtype).name, s.to_json(), d.to_json()]
-                                         for a, s, d in zip(avals, src, dst)])
+        """The offer's id; with avals None, the id of its descriptor."""
+        what = json.dumps([tag, p, q] + ([[list(a.shape), np.dtype(a.dtype).name, s.to_json(), d.to_json()]
+                                          for a, s, d in zip(avals, src, dst)] if avals is not None else ["descriptor"]))
         return int.from_bytes(hmac.new(self._secret, what.encode(), hashlib.sha256).digest()[:8], "little") >> 1
 
     def send(self, tree, tag, dst, peers=None):
@@ -59,10 +98,23 @@ class DirectEndpoint(Endpoint):
             for piece in plan.sent_by(self.process):
                 by_dst.setdefault(piece.dst_process, []).append(core.device_piece(leaves[i], plan, piece))
         handle = core.Handle(core.finished(), f"send {tag!r}")
+        if by_dst:
+            desc = self._descriptor(describe(leaves, src_layouts, dst_layouts))
         for q, arrays in sorted(by_dst.items()):
+            self._server.await_pull(self._uuid(tag, self.process, q, None, None, None), [desc])
             self._server.await_pull(self._uuid(tag, self.process, q, leaves, src_layouts, dst_layouts), arrays)
             handle.wire_bytes += sum(a.nbytes for a in arrays)
         return handle
+
+    def _descriptor(self, leaves: list[str]) -> jax.Array:
+        """The descriptor on a device, made once per distinct message (a step repeats them)."""
+        key = "\n".join(leaves)
+        with self._lock:
+            if key not in self._descriptors:
+                if len(self._descriptors) >= 256:
+                    self._descriptors.clear()
+                self._descriptors[key] = jax.device_put(pack(leaves), jax.local_devices()[0])
+            return self._descriptors[key]
 
     def recv(self, tag, like, src, peers=None):
         expect = self.prepare_recv(tag, like, src)
@@ -85,18 +137,45 @@ class DirectEndpoint(Endpoint):
                 self._conns[address] = self._server.connect(address)
             return self._conns[address]
 
+    def _pull(self, address, uuid, like, desc_uuid, desc_like, described):
+        """Pulls the descriptor and the data together; hands the descriptor to `described`
+        once it is in, then waits for the data."""
+        data = None
+        try:
+            conn = self._connection(address)
+            desc = conn.pull(desc_uuid, desc_like)
+            data = conn.pull(uuid, like)
+            described.set_result(np.asarray(desc[0]))
+        except BaseException as e:  # noqa: BLE001 - the data's wait reports a lost peer
+            described.set_exception(e)
+            if data is None:
+                raise
+        return jax.block_until_ready(data)
+
     def _receive(self, tag, expect, src_layouts, wanted, peers, handle):
-        pulls = {}
+        pulls, descriptors = {}, {}
+        on = SingleDeviceSharding(jax.local_devices()[0])
+        like = [jax.ShapeDtypeStruct((DESCRIPTOR_BYTES,), np.uint8, sharding=on)]
         for p, items in sorted(wanted.items()):
             uuid = self._uuid(tag, p, self.process, expect.avals, src_layouts, expect.dst)
             address = peers[p][0]
+            descriptors[p] = core.futures.Future()
             # pull() returns at once, its arrays become ready when the data is in: wait for that
             # here, under the timeout, since an op on them would block their device until then.
-            pulls[p] = (address, core.run_async(lambda a=address, u=uuid, s=[sds for _, _, sds in items]:
-                                                jax.block_until_ready(self._connection(a).pull(u, s))))
+            pulls[p] = (address, core.run_async(self._pull, address, uuid, [sds for _, _, sds in items],
+                                                self._uuid(tag, p, self.process, None, None, None), like, descriptors[p]))
         received = []
+        ours = describe(expect.avals, src_layouts, expect.dst)
+        deadline = time.monotonic() + self.cfg.timeout_s  # one limit for the descriptor and the data
         for p, (address, future) in pulls.items():
-            if not core.futures.wait([future], timeout=self.cfg.timeout_s).done:
+            described = descriptors[p]
+            core.futures.wait([described, future], timeout=max(0.0, deadline - time.monotonic()),
+                              return_when=core.futures.FIRST_COMPLETED)
+            if described.done() and described.exception() is None:
+                if (why := disagreement(described.result(), ours)) is not None:
+                    raise TransferError(f"recv {tag!r}: source process {p} at {address} sent a message that "
+                                        f"differs from this receive: {why}; both islands must agree on the tree")
+            if not core.futures.wait([future], timeout=max(0.0, deadline - time.monotonic())).done:
                 raise TransferTimeout(
                     f"recv {tag!r}: source process {p} at {address} sent nothing matching, or not all "
                     f"of it, within {self.cfg.timeout_s:g} s (LinkConfig.timeout_s, which bounds the whole "

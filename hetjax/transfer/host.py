@@ -31,7 +31,7 @@ import numpy as np
 
 from hetjax.transfer import core, link, wire
 from hetjax.transfer.api import Endpoint, check_leaf
-from hetjax.transfer.link import TransferError
+from hetjax.transfer.link import TransferError, TransferTimeout
 from hetjax.transfer.plan import extent, split, volume
 from hetjax.transfer.stream import Job, Stream
 
@@ -41,6 +41,13 @@ _STREAM_BYTES = 1 << 20  # a message uses another stream for every MiB it holds,
 # How long close() waits for the END frames of messages that already arrived: they follow
 # their last chunk at once, so this is only reached when a sender died mid-message.
 CLOSE_GRACE_S = 5.0
+# Anyone who can reach the port can open connections: each one that has not proved the
+# secret yet holds a thread and a descriptor, so there are at most this many at a time
+# per endpoint, each for at most HANDSHAKE_S (not the link's timeout), and refusals are
+# logged at most once per REFUSAL_LOG_S (with the count of those not logged).
+MAX_UNAUTHENTICATED = 32
+HANDSHAKE_S = 5.0
+REFUSAL_LOG_S = 10.0
 
 
 class _Inbox:
@@ -116,14 +123,18 @@ class HostEndpoint(Endpoint):
         self._pipes: dict[tuple, list[Stream]] = {}
         self._pipes_lock = threading.Lock()
         self._turn = itertools.count()  # the stream a message starts on, round robin
-        self._conns: list[socket.socket] = []
+        self._conns: set[socket.socket] = set()  # open incoming connections (close() ends them)
+        self._gate = threading.Lock()  # guards _conns, _unauthenticated and the refusal log
+        self._unauthenticated = 0
+        self._log_after, self._unlogged = 0.0, 0
         self._closed = self._closing = False
         # Streams holding chunks whose END is not acknowledged yet: a receive completes
         # when its last byte lands, just before the END frame is read and acknowledged,
         # so close() waits for these or the sender would see its peer vanish.
         self._unacked = 0
         self._quiet = threading.Condition()
-        self.refused = 0  # connections refused for a wrong secret
+        self.refused = 0  # connections refused: wrong secret, no handshake in time, too many at once
+        self.accept_errors = 0  # failed accept() calls (e.g. EMFILE), each backed off and survived
         self.bytes_received = 0
         self._listeners, addresses = [], []
         for host in cfg.listen_addresses:
@@ -167,28 +178,91 @@ class HostEndpoint(Endpoint):
                 del self._inboxes[tag]
 
     def _accept(self, listener):
+        """Accepts connections until close(). An accept error (out of descriptors, of
+        memory) is waited out with a growing pause, never the end of the loop: the
+        connections wait in the kernel's backlog meanwhile."""
+        pause = 0.0
         while not self._closed:
             try:
                 conn, addr = listener.accept()
-            except OSError:
+            except OSError as e:
+                if self._closed:
+                    return
+                pause = min(1.0, 2 * pause or 0.01)
+                self.accept_errors += 1
+                self._log(f"transfer: the listener on {link.address(*listener.getsockname()[:2])} cannot accept "
+                          f"a connection ({e}); retrying")
+                time.sleep(pause)
+                continue
+            pause, peer = 0.0, link.address(*addr[:2])
+            with self._gate:
+                room = self._unauthenticated < MAX_UNAUTHENTICATED
+                if room:
+                    self._unauthenticated += 1
+            if not room:
+                conn.close()
+                self._refused(peer, f"{MAX_UNAUTHENTICATED} connections are already in their handshake")
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: refused like any other excess
+                with self._gate:
+                    self._unauthenticated -= 1
+                conn.close()
+                self._refused(peer, str(e))
+
+    def _refused(self, peer, why: str) -> None:
+        with self._gate:
+            self.refused += 1
+        self._log(f"transfer: refused a connection from {peer}: {why}")
+
+    def _log(self, text: str) -> None:
+        """Logs a refusal or an accept error at most once per REFUSAL_LOG_S: a flood of
+        connections must not become a flood of log lines."""
+        with self._gate:
+            now = time.monotonic()
+            if now < self._log_after:
+                self._unlogged += 1
                 return
-            threading.Thread(target=self._serve, args=(conn, link.address(*addr[:2])), daemon=True).start()
+            self._log_after, unlogged, self._unlogged = now + REFUSAL_LOG_S, self._unlogged, 0
+        more = f" ({unlogged} more such events not logged in the last {REFUSAL_LOG_S:g} s)" if unlogged else ""
+        log.warning("%s%s", text, more)
+
+    def _handshake(self, conn, peer) -> bool:
+        """The secret's handshake under its own short deadline; False (refused) when the
+        peer does not prove the secret in time. Leaves the unauthenticated count."""
+        deadline = min(HANDSHAKE_S, self.cfg.timeout_s)
+        try:
+            conn.settimeout(deadline)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if wire.authenticate(conn, self._secret, peer, quiet=True):
+                return True
+            why = wire.NOT_PROVED
+        except (OSError, TransferError) as e:  # silent, gone or garbage
+            why = f"no handshake within {deadline:g} s ({e})"
+        finally:
+            with self._gate:
+                self._unauthenticated -= 1
+        self._refused(peer, why)
+        return False
 
     def _serve(self, conn, peer):
-        """One incoming stream: handshake, then chunks until the peer closes."""
-        conn.settimeout(self.cfg.timeout_s)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._conns.append(conn)
-        inbox, busy = None, False
+        """One incoming stream: handshake, then chunks until the peer closes. A message
+        this side refuses is answered with a REFUSE frame naming why, so the sender can
+        tell a refusal from a peer that died."""
+        with self._gate:
+            self._conns.add(conn)
+        inbox, busy, tag = None, False, None
         try:
-            if not wire.authenticate(conn, self._secret, peer):
-                self.refused += 1
+            if not self._handshake(conn, peer):
                 return
+            conn.settimeout(self.cfg.timeout_s)
             while True:
                 try:
                     kind, meta = wire.read_frame(conn, peer, idle_ok=True, timeout_s=self.cfg.timeout_s)
                 except EOFError:
                     return
+                tag = meta.get("tag")
                 if kind == wire.END:  # every chunk before it on this stream was verified
                     wire.send_frame(conn, wire.ACK, {"tag": meta.get("tag")}, peer)
                     busy = busy and self._settle(-1)
@@ -206,11 +280,17 @@ class HostEndpoint(Endpoint):
         except Exception as e:  # noqa: BLE001 - reported to the receive it broke, and logged
             if inbox is not None:
                 inbox.fail(e)
+            if busy:  # before the refusal's drain: close() need not wait for it
+                busy = self._settle(-1)
             if not self._closed:
                 log.warning("transfer: stream from %s closed: %s", peer, e)
+                if not isinstance(e, TransferTimeout):  # a refusal, not a peer gone silent or away
+                    wire.refuse(conn, tag, str(e), peer, min(self.cfg.timeout_s, CLOSE_GRACE_S))
         finally:
             if busy:
                 self._settle(-1)
+            with self._gate:
+                self._conns.discard(conn)
             conn.close()
 
     def _settle(self, change: int) -> bool:
@@ -321,7 +401,9 @@ class HostEndpoint(Endpoint):
             while self._unacked and (left := deadline - time.monotonic()) > 0:
                 self._quiet.wait(left)
         self._closed = True
-        for s in self._listeners + self._conns:
+        with self._gate:
+            conns = list(self._conns)
+        for s in self._listeners + conns:
             s.close()
         with self._pipes_lock:
             for streams in self._pipes.values():

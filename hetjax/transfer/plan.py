@@ -36,6 +36,9 @@ class Layout:
     spec: tuple  # one entry per array dimension: None, an axis name, or a tuple of names
 
     def __post_init__(self):
+        # One spelling per layout: P('x'), P('x', None) and P(('x',), None) shard alike,
+        # so they must compare (and be named, by the direct backend) alike.
+        object.__setattr__(self, "spec", normal_spec(self.spec))
         if len(self.mesh_shape) != len(self.axis_names):
             raise ValueError(f"Layout: mesh_shape {self.mesh_shape} and axis_names {self.axis_names} differ in length")
         if len(self.processes) != math.prod(self.mesh_shape):
@@ -72,6 +75,15 @@ def _layout_of(cls, sharding) -> Layout:
     spec = tuple(_axes(e) if isinstance(e, (tuple, list)) else e for e in sharding.spec)
     return cls(tuple(mesh.devices.shape), tuple(mesh.axis_names),
                tuple(int(d.process_index) for d in mesh.devices.flat), spec)
+
+
+def normal_spec(spec) -> tuple:
+    """The spec with a one-axis entry as the axis name, no axes as None, and no
+    trailing Nones."""
+    out = [None if not _axes(e) else _axes(e)[0] if len(_axes(e)) == 1 else _axes(e) for e in spec]
+    while out and out[-1] is None:
+        out.pop()
+    return tuple(out)
 
 
 def _axes(entry) -> tuple[str, ...]:

@@ -136,9 +136,11 @@ class Stream:
         """Waits for the receiver's ACK: it verified every chunk of the job."""
         try:
             kind, meta = wire.read_frame(self.sock, self.address, idle_ok=False, timeout_s=self.endpoint.cfg.timeout_s)
-        except PeerLost:
-            raise TransferError(f"send {job.tag!r}: peer {self.address} closed the stream instead of acknowledging; "
-                                f"see its log (wrong tag, shape, dtype or a failed checksum)") from None
+        except PeerLost as e:  # a refusal comes as a REFUSE frame: a bare end means the peer is gone
+            raise PeerLost(f"send {job.tag!r}: lost peer {self.address}: its connection ended before it "
+                           f"acknowledged the message (its process died or closed its endpoint; {e})") from None
+        if kind == wire.REFUSE:
+            raise TransferError(f"send {job.tag!r}: peer {self.address} refused the message: {meta.get('reason')}")
         assert kind == wire.ACK and meta["tag"] == job.tag, (kind, meta)
 
 

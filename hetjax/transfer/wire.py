@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import struct
+import time
 import zlib
 
 import xxhash
@@ -28,6 +29,9 @@ log = logging.getLogger("hetjax.transfer")
 FRAME = struct.Struct("<4sBI")  # magic, kind, length of the JSON header that follows
 MAGIC = b"HJX1"
 CHUNK, END, ACK, BATCH = 1, 2, 3, 4  # BATCH: a whole small message; an END is implied
+# The receiver's refusal of a message, sent before it hangs up: {"tag", "reason"}. A
+# sender that sees the connection end without one knows its peer is gone, not displeased.
+REFUSE = 5
 CHECKSUM_FUNCTIONS = {"xxh3": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32, "adler32": zlib.adler32}
 SMALL = 64 << 10  # a chunk (or a whole message) this small goes out with its header(s) in one write
 
@@ -97,14 +101,34 @@ def read_frame(sock, peer: str, idle_ok: bool, timeout_s: float) -> tuple[int, d
     return kind, json.loads(recv_exact(sock, n, peer))
 
 
-def authenticate(conn, secret: bytes, peer: str) -> bool:
+NOT_PROVED = "it did not prove the job's shared secret"
+
+
+def refuse(sock, tag, reason: str, peer: str, drain_s: float) -> None:
+    """Tells the sender why its message is refused, then reads and drops what it still
+    writes (up to drain_s) so that closing sends no reset that could discard the refusal
+    before the sender reads it. Best effort: the sender may be gone already."""
+    try:
+        sock.settimeout(drain_s)
+        sock.sendall(frame(REFUSE, {"tag": tag, "reason": reason[:2000]}))
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + drain_s
+        while time.monotonic() < deadline and sock.recv(1 << 16):
+            pass
+    except OSError:
+        pass
+
+
+def authenticate(conn, secret: bytes, peer: str, quiet: bool = False) -> bool:
     """The accepting side of the handshake: True once the peer proved the job's secret
-    (and got our proof back); False, logged, when it did not."""
+    (and got our proof back); False when it did not (logged unless quiet: the caller
+    logs it then, at a bounded rate)."""
     nonce = os.urandom(32)
     conn.sendall(nonce)
     answer = recv_exact(conn, 64, peer)
     if not hmac.compare_digest(answer[32:], _mac(secret, b"client", nonce)):
-        log.warning("transfer: refused a connection from %s: it did not prove the job's shared secret", peer)
+        if not quiet:
+            log.warning("transfer: refused a connection from %s: %s", peer, NOT_PROVED)
         return False
     conn.sendall(_mac(secret, b"server", answer[:32]))
     return True
@@ -115,12 +139,19 @@ def connect(address: str, secret: bytes, timeout_s: float) -> socket.socket:
     secret; retries while the peer starts, TransferTimeout after timeout_s."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
-    sock = link.retry(lambda: socket.create_connection((host, int(port)), timeout=timeout_s),  # it may be starting
-                      timeout_s, 0.05, lambda e: TransferTimeout(f"peer {address} did not accept a connection "
-                                                                 f"within {timeout_s:g} s ({e})"))
+
+    def attempt():  # the peer may be starting, or hang up before its challenge: too many in their handshake
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        try:
+            return sock, recv_exact(sock, 32, address)
+        except BaseException:
+            sock.close()
+            raise
+
+    sock, challenge = link.retry(attempt, timeout_s, 0.05, lambda e: TransferTimeout(
+        f"peer {address} did not accept a connection within {timeout_s:g} s ({e})"))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     nonce = os.urandom(32)
-    challenge = recv_exact(sock, 32, address)
     sock.sendall(nonce + _mac(secret, b"client", challenge))
     try:
         proof = recv_exact(sock, 32, address)

@@ -1,0 +1,88 @@
+"""Stopping a training run on a signal.
+
+SIGTERM (a preemption) and the first Ctrl-C (SIGINT) ask the job to stop: the loop
+saves a checkpoint at the next step boundary and exits with 143 or 130 after one
+line. A second Ctrl-C exits at once, even while the main thread is inside a long C
+call (compiling, a collective, a stuck writer): Python runs its signal handlers only
+between bytecodes of the main thread and merges signals that arrive meanwhile, so the
+second one is counted by a thread that reads the signal wakeup fd, where every
+delivery leaves one byte.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+PREEMPTED = 143  # exit status after SIGTERM: 128 + 15, as if the signal had killed us
+INTERRUPTED = 130  # after Ctrl-C: 128 + 2
+_AT_ONCE = b"interrupted twice (Ctrl-C): exiting at once; the last completed checkpoint is kept\n"
+
+
+class StopSignals:
+    """SIGTERM/SIGINT handlers for one run: `install()`, `attach(job)` once the job
+    exists (a signal before that is passed on then), `close()` to restore."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        self._job = None
+        self._previous: dict = {}
+        self._previous_fd = -1
+        self._write_fd = None
+        self._thread: threading.Thread | None = None
+
+    def install(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signals reach the main thread only; a library caller's thread keeps its own
+        read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._previous_fd = signal.set_wakeup_fd(self._write_fd)
+        self._thread = threading.Thread(target=self._count_interrupts, args=(read_fd,), daemon=True,
+                                        name="hetjax-stop-signals")
+        self._thread.start()
+        return self
+
+    def attach(self, job) -> None:
+        self._job = job
+        if self.received:
+            job.request_stop()
+
+    def _on_signal(self, sig, _frame) -> None:
+        self.received.append(sig)
+        if self._job is not None:
+            self._job.request_stop()  # with islands: agreed by all at a step boundary
+
+    def _count_interrupts(self, read_fd: int) -> None:
+        interrupts = 0
+        try:
+            while data := os.read(read_fd, 64):
+                interrupts += data.count(signal.SIGINT)
+                if interrupts >= 2:
+                    os.write(2, _AT_ONCE)
+                    os._exit(INTERRUPTED)
+        finally:
+            os.close(read_fd)
+
+    @property
+    def interrupted(self) -> bool:
+        """The stop was asked by Ctrl-C (not SIGTERM, nor another island)."""
+        return bool(self.received) and self.received[0] == signal.SIGINT
+
+    def exit_line(self, step: int, directory) -> tuple[int, str]:
+        """(exit status, the one line to print) after saving `step` on a stop."""
+        why = "interrupted (Ctrl-C)" if self.interrupted else "preempted (SIGTERM)"
+        return (INTERRUPTED if self.interrupted else PREEMPTED), f"{why}: saved step {step} in {directory}"
+
+    def close(self) -> None:
+        if self._write_fd is None:
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        os.close(self._write_fd)  # the counting thread reads EOF and ends
+        self._write_fd = None
+        # Before the interpreter exits: a daemon thread still waking up while it finalizes
+        # is unwound by force, which has aborted the process ("exception not rethrown").
+        self._thread.join(timeout=5)
