@@ -337,4 +337,7 @@ def test_direct_names_a_disagreement_at_once():
         with pytest.raises(TransferError, match=match):
             r.wait()
         assert time.monotonic() - t0 < 10
+        # The receiver's data pull is still waiting for its match (jax's pulls cannot be
+        # cancelled); give it one, or this process would abort at exit (docs/DESIGN.md).
+        a.send(jax.device_put(jnp.zeros(shape, dtype), x.sharding), f"t{k}", sh, peers={0: b.addresses})
     a.close(), b.close()
