@@ -35,9 +35,8 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_pol
 
 from hetjax.compile import aot
 from hetjax.checkpoint_config import CheckpointConfig
-from hetjax.errors import ConfigError
+from hetjax.errors import CheckpointError, ConfigError, CorruptCheckpoint  # noqa: F401 - raised here, caught by callers
 from hetjax.state import TrainState
-from hetjax.errors import CheckpointError, CorruptCheckpoint  # noqa: F401 - raised here, caught by callers
 from hetjax.repro.digest import leaf_checksums, params_checksum, path_name, start_leaf_checksums
 
 CORRUPT_DIR = "corrupt"  # sibling of the checkpoint directory: damaged steps go here

@@ -25,9 +25,8 @@ from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
 from hetjax import checkpoint, cli, safetensors_io
 from hetjax.repro import digest
-from hetjax.errors import ConfigError
+from hetjax.errors import ConfigError, ConvertError  # noqa: F401 - raised here, caught by callers
 from hetjax.models.llama import ModelConfig
-from hetjax.errors import ConvertError  # noqa: F401 - raised here, caught by callers
 
 
 # ---------------------------------------------------------------------------

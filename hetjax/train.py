@@ -59,26 +59,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'model_flops':>22}: {mesh_job.flops_per_step():.4g} per step (6N + attention)")
         return 0
     signals = stop_lib.StopSignals().install()  # a Ctrl-C while compiling stops after the first step
-    try:
+    job = None
+    try:  # until the loop's own `finally` takes over: the job and the signal handlers go on failure
         job: Job = (hetero_job.IslandsJob(cfg, dataset, settings, log) if cfg.hetero.islands
                     else MeshJob(cfg, dataset, log=log))
+        signals.attach(job)
+        state, start, batches, ckpt = job.state, job.start, job.batches, job.checkpoints
+        flops_per_step, peak = job.flops_per_step(), job.peak
+        floor = "" if dataset.floor is None else f"; its best possible loss is {dataset.floor:.4f}"
+        print(f"MFU against {peak / 1e12:.3g} TFLOP/s ({job.peak_source}); data: {dataset.description}"
+              f"{floor}", flush=True)
+
+        run_dir = job.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_lib.save(cfg, run_dir / "config.json")
+        metrics.truncate(run_dir, start)
+        writer = metrics.Writer(run_dir, cfg.steps, cfg.tensorboard)
+        recorder = repro.Recorder(run_dir, cfg, job.mesh, None, start, write=job.writes_fingerprints)
+        profiler = Profiler(cfg.profile_steps, run_dir / "profile", log)
     except BaseException:
+        if job is not None:
+            job.close()
         signals.close()
         raise
-    signals.attach(job)
-    state, start, batches, ckpt = job.state, job.start, job.batches, job.checkpoints
-    flops_per_step, peak = job.flops_per_step(), job.peak
-    floor = "" if dataset.floor is None else f"; its best possible loss is {dataset.floor:.4f}"
-    print(f"MFU against {peak / 1e12:.3g} TFLOP/s ({job.peak_source}); data: {dataset.description}"
-          f"{floor}", flush=True)
-
-    run_dir = job.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_lib.save(cfg, run_dir / "config.json")
-    metrics.truncate(run_dir, start)
-    writer = metrics.Writer(run_dir, cfg.steps, cfg.tensorboard)
-    recorder = repro.Recorder(run_dir, cfg, job.mesh, None, start, write=job.writes_fingerprints)
-    profiler = Profiler(cfg.profile_steps, run_dir / "profile", log)
     last_finite, clock = -1, metrics.StepClock()
 
     def report(s, step_metrics):

@@ -32,10 +32,6 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def _require(module: str, extra: str, path: str):
-    return cli.need(module, extra, f"config.data.tokenizer={path!r}")
-
-
 def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
@@ -46,7 +42,7 @@ class HFTokenizer:
     def __init__(self, path: str):
         self.path = path
         try:
-            self._tok = _require("tokenizers", "hf", path).Tokenizer.from_file(path)
+            self._tok = cli.need("tokenizers", "hf", f"config.data.tokenizer={path!r}").Tokenizer.from_file(path)
         except Exception as e:
             raise ConfigError(f"config.data.tokenizer={path!r}: not a tokenizer.json ({e})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -76,7 +72,7 @@ class SentencePieceTokenizer:
 
     def __init__(self, path: str):
         self.path = path
-        self._sp = _require("sentencepiece", "sentencepiece", path).SentencePieceProcessor()
+        self._sp = cli.need("sentencepiece", "sentencepiece", f"config.data.tokenizer={path!r}").SentencePieceProcessor()
         try:
             self._sp.Load(path)
         except Exception as e:

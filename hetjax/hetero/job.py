@@ -29,7 +29,7 @@ from hetjax import config as config_lib
 from hetjax import metrics as metrics_lib
 from hetjax import state as state_lib
 from hetjax.compile import backend
-from hetjax.errors import ConfigError, IslandLost, IslandsDiverged, IslandStartError, JobError, TransferError  # noqa: F401
+from hetjax.errors import ConfigError, IslandLost
 from hetjax.hetero import island as island_lib
 from hetjax.hetero.checkpoints import Checkpoints
 from hetjax.hetero import placement

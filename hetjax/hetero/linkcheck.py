@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hetjax import cli as cli_lib  # `cli` below is the console entry point
 from hetjax import config as config_lib
-from hetjax.errors import ConfigError
+from hetjax.errors import ConfigError, JobError
 from hetjax.hetero import job as hetero_job
 from hetjax.hetero.island import geometry, make_mesh
 from hetjax.hetero.links import IslandLost, Links, link_config
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         for pair in itertools.combinations(range(len(names)), 2):
             if k in pair:
                 ok &= check_link(links, pair[0] + pair[1] - k, mesh, sizes["mib"], sizes["iters"], say)
-    except hetero_job.JobError as e:
+    except JobError as e:
         say(f"FAILED: {type(e).__name__}: {e}")
         return 1
     finally:
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> int:
-    return cli_lib.run_main(main, (hetero_job.JobError,))
+    return cli_lib.run_main(main, (JobError,))
 
 
 if __name__ == "__main__":

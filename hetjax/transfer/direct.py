@@ -36,7 +36,7 @@ from jax.sharding import SingleDeviceSharding
 from hetjax.transfer import core
 from hetjax.transfer.api import Endpoint
 from hetjax.transfer.link import TransferError, TransferTimeout, address
-from hetjax.transfer.plan import extent
+from hetjax.transfer.plan import Layout, extent
 
 DESCRIPTOR_BYTES = 4096  # a message's descriptor: its length, then zlib'd JSON, padded
 
@@ -81,7 +81,7 @@ class DirectEndpoint(Endpoint):
             client, address(hosts[0], cfg.port), [address(h, 0) for h in hosts])
         self.addresses = (self._server.address(),)
         self._conns: dict[str, object] = {}
-        self._descriptors: dict[str, jax.Array] = {}
+        self._descriptors: dict[tuple, jax.Array] = {}
         self._lock = threading.Lock()
 
     def _uuid(self, tag, p, q, avals, src, dst) -> int:
@@ -99,21 +99,22 @@ class DirectEndpoint(Endpoint):
                 by_dst.setdefault(piece.dst_process, []).append(core.device_piece(leaves[i], plan, piece))
         handle = core.Handle(core.finished(), f"send {tag!r}")
         if by_dst:
-            desc = self._descriptor(describe(leaves, src_layouts, dst_layouts))
+            desc = self._descriptor(leaves, src_layouts, dst_layouts)
         for q, arrays in sorted(by_dst.items()):
             self._server.await_pull(self._uuid(tag, self.process, q, None, None, None), [desc])
             self._server.await_pull(self._uuid(tag, self.process, q, leaves, src_layouts, dst_layouts), arrays)
             handle.wire_bytes += sum(a.nbytes for a in arrays)
         return handle
 
-    def _descriptor(self, leaves: list[str]) -> jax.Array:
-        """The descriptor on a device, made once per distinct message (a step repeats them)."""
-        key = "\n".join(leaves)
+    def _descriptor(self, leaves, src: list[Layout], dst: list[Layout]) -> jax.Array:
+        """The descriptor on a device, described and made once per distinct message (a step
+        repeats them)."""
+        key = (tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in leaves), tuple(src), tuple(dst))
         with self._lock:
             if key not in self._descriptors:
                 if len(self._descriptors) >= 256:
                     self._descriptors.clear()
-                self._descriptors[key] = jax.device_put(pack(leaves), jax.local_devices()[0])
+                self._descriptors[key] = jax.device_put(pack(describe(leaves, src, dst)), jax.local_devices()[0])
             return self._descriptors[key]
 
     def recv(self, tag, like, src, peers=None):

@@ -32,7 +32,7 @@ import numpy as np
 from hetjax.transfer import core, link, wire
 from hetjax.transfer.api import Endpoint, check_leaf
 from hetjax.transfer.link import TransferError, TransferTimeout
-from hetjax.transfer.plan import extent, split, volume
+from hetjax.transfer.plan import extent, split
 from hetjax.transfer.stream import Job, Stream
 
 log = logging.getLogger("hetjax.transfer")
@@ -263,20 +263,16 @@ class HostEndpoint(Endpoint):
                 except EOFError:
                     return
                 tag = meta.get("tag")
-                if kind == wire.END:  # every chunk before it on this stream was verified
-                    wire.send_frame(conn, wire.ACK, {"tag": meta.get("tag")}, peer)
-                    busy = busy and self._settle(-1)
-                    continue
-                busy = busy or self._settle(+1)
-                inbox = self._inbox(meta.get("tag"), peer)
-                if kind == wire.BATCH:  # the chunks' headers, then their payloads in that order
-                    for chunk in meta["chunks"]:
+                if kind != wire.END:
+                    busy = busy or self._settle(+1)
+                    inbox = self._inbox(tag, peer)
+                    # A BATCH holds the chunks' headers, then their payloads in that order.
+                    for chunk in meta["chunks"] if kind == wire.BATCH else [meta]:
                         self._chunk(conn, peer, inbox, chunk)
-                    wire.send_frame(conn, wire.ACK, {"tag": meta.get("tag")}, peer)
+                    inbox = None
+                if kind in (wire.END, wire.BATCH):  # every chunk of the message was verified
+                    wire.send_frame(conn, wire.ACK, {"tag": tag}, peer)
                     busy = busy and self._settle(-1)
-                else:
-                    self._chunk(conn, peer, inbox, meta)
-                inbox = None
         except Exception as e:  # noqa: BLE001 - reported to the receive it broke, and logged
             if inbox is not None:
                 inbox.fail(e)
@@ -377,8 +373,7 @@ class HostEndpoint(Endpoint):
                     handle.future.set_result(None)
 
         for stream, chunks in jobs:
-            small = sum(volume(sub) * np.dtype(leaves[i].dtype).itemsize for i, _, _, sub, _ in chunks) <= wire.SMALL
-            stream.put(Job(tag, leaves, plans, chunks, handle, finished, {}, small))
+            stream.put(Job(tag, leaves, plans, chunks, handle, finished, {}))
         return handle
 
     def connect(self, address: str) -> socket.socket:

@@ -20,6 +20,7 @@ import numpy as np
 from hetjax.errors import PeerLost
 from hetjax.transfer import core, wire
 from hetjax.transfer.link import TransferError
+from hetjax.transfer.plan import volume
 
 _counted = threading.Lock()  # guards Handle.wire_bytes across stream threads
 
@@ -34,7 +35,12 @@ class Job(typing.NamedTuple):
     handle: core.Handle
     finished: typing.Callable  # finished(None) once acknowledged, finished(error) on failure
     shards: dict  # (leaf, source position) -> the shard as a numpy array (CPU), made once
-    small: bool  # at most wire.SMALL bytes: one BATCH frame
+
+    @property
+    def small(self) -> bool:
+        """At most wire.SMALL bytes: the job goes as one BATCH frame."""
+        return sum(volume(sub) * np.dtype(self.leaves[i].dtype).itemsize
+                   for i, _, _, sub, _ in self.chunks) <= wire.SMALL
 
 
 class Stream:
@@ -103,11 +109,11 @@ class Stream:
     def _write(self, job: Job) -> None:
         """Puts the job's chunks and its END on the wire (one BATCH frame when small)."""
         if job.small:
-            payloads, metas = [], []
-            for k, (i, j, piece, sub, offset) in enumerate(job.chunks):
-                payload = _payload(_host_chunk(job, k, self.endpoint))
-                payloads.append(payload)
-                metas.append(_chunk_meta(job, i, j, piece, offset, payload, self.endpoint))
+            # Every chunk's copy off the device starts before the first is waited for.
+            hosts = [_host_chunk(job, k, self.endpoint) for k in range(len(job.chunks))]
+            payloads = [_payload(h) for h in hosts]
+            metas = [_chunk_meta(job, i, j, piece, offset, payload, self.endpoint)
+                     for (i, j, piece, _, offset), payload in zip(job.chunks, payloads)]
             batch = wire.frame(wire.BATCH, {"tag": job.tag, "chunks": metas})
             wire.sendall(self.sock, b"".join([batch, *payloads]), self.address)
             with _counted:
