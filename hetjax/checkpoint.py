@@ -167,15 +167,13 @@ class Manager:
         except Exception as e:
             step, self._pending = self._pending, None
             raise self._save_error(step, e) from e
-        if self._pending is not None and self._pending not in self._on_disk():
+        # Looked up directly: orbax's reload() stats every step directory and fails when its
+        # background delete removes an old one meanwhile. orbax renames a step into place last.
+        if self._pending is not None and not (self.directory / str(self._pending)).is_dir():
             step, self._pending = self._pending, None
             raise self._save_error(step, RuntimeError("the step directory was not committed"))
         self._pending = None
         self._causes.clear()  # all committed: what orbax logged before is no cause of a later failure
-
-    def _on_disk(self) -> list[int]:
-        self._manager.reload()
-        return list(self._manager.all_steps())
 
     def _raise_pending_errors(self):
         if self._pending is not None:
