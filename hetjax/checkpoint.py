@@ -285,6 +285,12 @@ class Manager:
         self._manager.reload()
 
 
+def params_checksum_of(meta: dict) -> str:
+    """A checkpoint's parameter checksum as saved; checkpoints written before the key was
+    renamed (0.1.0's first round) keep it as `params_fingerprint`."""
+    return meta.get("params_checksum") or meta.get("params_fingerprint") or "not recorded"
+
+
 class _FirstError(logging.Handler):
     """Keeps the first error logged (by orbax's background threads) about `directory`."""
 
@@ -395,7 +401,7 @@ def load_params(path: str | Path, abstract_params, param_shardings, log=print):
                 log(f"warning: {e}; trying an older one")
                 errors.append(str(e))
                 continue
-            log(f"initialised the parameters from {where} (checksum {small.meta.get('params_checksum')})")
+            log(f"initialised the parameters from {where} (checksum {params_checksum_of(small.meta)})")
             return arrays.params
     finally:
         manager.close()

@@ -46,6 +46,11 @@ class ShardingConfig:
     max_replicated_fraction: float = 0.1
 
 
+def mesh_axes(target) -> tuple[str, ...]:
+    """A rule's target (None, one mesh axis or several) as a tuple of mesh axes."""
+    return () if target is None else (target,) if isinstance(target, str) else tuple(target)
+
+
 def validate_sharding(s: ShardingConfig, model_axes) -> None:
     """Raises ConfigError unless the rules name every logical axis of the model
     (`model_axes`, e.g. ModelConfig.dims()) plus batch and length, once, onto mesh axes."""
@@ -60,7 +65,7 @@ def validate_sharding(s: ShardingConfig, model_axes) -> None:
                 f"config.sharding.rules[{i}]={rule!r}: each rule is (logical_axis, mesh_axes), "
                 f"e.g. ('mlp', 'tensor') or ('batch', ('data', 'fsdp')) or ('length', None)")
         target = rule[1]
-        targets = () if target is None else (target,) if isinstance(target, str) else target
+        targets = mesh_axes(target)
         for axis in targets:
             if axis not in MESH_AXES:
                 raise ConfigError(
@@ -103,7 +108,7 @@ def spec_for(logical_axes, rules) -> PartitionSpec:
                 f"logical axis {name!r} has no rule in config.sharding.rules; add "
                 f"({name!r}, None) to replicate it, or map it to mesh axes")
         target = table[name]
-        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        axes = mesh_axes(target)
         axes = tuple(a for a in axes if a not in used)
         used.update(axes)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
@@ -170,7 +175,7 @@ def param_layouts(state, mesh: Mesh, rules) -> list[ParamLayout]:
         nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
         divisor, split = 1, False
         for dim, axis_name, axes in zip(value.shape, logical, spec):
-            axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+            axes = mesh_axes(axes)
             parts = math.prod(mesh.shape[a] for a in axes)
             if dim % parts:
                 raise ConfigError(
@@ -212,7 +217,7 @@ def check_divisible(dims: dict[str, tuple[str, int]], rules, mesh: Mesh) -> None
     table = dict(rules)
     for logical, (field, size) in dims.items():
         target = table.get(logical)
-        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        axes = mesh_axes(target)
         parts = math.prod(mesh.shape[a] for a in axes)
         if size % parts:
             sizes = ", ".join(f"config.mesh.{a}={mesh.shape[a]}" for a in axes)
@@ -230,7 +235,7 @@ def check_batch_divisible(batch_size: int, seq_len: int, rules, mesh: Mesh) -> N
     table = dict(rules)
     for logical, field, size in (("batch", "batch_size", batch_size), ("length", "seq_len", seq_len)):
         target = table.get(logical)
-        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        axes = mesh_axes(target)
         unit = math.prod(mesh.shape[a] for a in axes)
         if size % unit == 0:
             continue

@@ -160,12 +160,15 @@ def _corrupting_proxy(upstream: str, flip_at: int) -> str:
     return f"127.0.0.1:{listener.getsockname()[1]}"
 
 
-@pytest.mark.parametrize("rows", [64, 512], ids=["one-batch-frame", "streamed-chunks"])
+@pytest.mark.parametrize("rows,chunk_bytes", [(64, 4096), (512, 4096), (2048, 256 << 10)],
+                         ids=["one-batch-frame", "streamed-chunks", "chunks-summed-as-they-go"])
 @pytest.mark.parametrize("checksum", CHECKSUMS)
-def test_corrupted_chunk_is_detected(checksum, rows):
-    a, b = endpoints("host", streams=1, chunk_bytes=4096, timeout_s=3.0, checksum=checksum)
+def test_corrupted_chunk_is_detected(checksum, rows, chunk_bytes):
+    a, b = endpoints("host", streams=1, chunk_bytes=chunk_bytes, timeout_s=3.0, checksum=checksum)
     sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P())
-    x = random_array((rows, 64), "float32", 1, sh)  # 16 KiB goes as one frame, 128 KiB chunk by chunk
+    # 16 KiB goes as one frame, 128 KiB in small chunks (sum in each header), 512 KiB in
+    # chunks larger than wire.SMALL (sum after each)
+    x = random_array((rows, 64), "float32", 1, sh)
     r = b.recv("t", jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), sh)
     # 64 handshake bytes, then the header(s) (~300 bytes a chunk), then payload: byte
     # 4000 lies in the first chunk's payload of either frame kind.

@@ -5,7 +5,6 @@ schedule, and the interleaved ones with --virtual-stages (default 2) chunks per 
 import sys
 
 from hetjax import cli
-from hetjax.errors import ConfigError
 from hetjax.pipeline.schedule import KINDS, VIRTUAL_KINDS, make_schedule, plot, timeline
 
 
@@ -19,19 +18,19 @@ def main(argv=None) -> int:
     parser.add_argument("--virtual-stages", type=int, help="chunks of layers per stage (default: 1 with "
                         "--schedule, else 2 for the interleaved variants)")
     parser.add_argument("--png", help="also write a Gantt chart to this file (matplotlib)")
-    args = parser.parse_args(argv)
-    try:
-        if args.schedule:
-            wanted = [(args.schedule, args.virtual_stages or 1)]
-        else:
-            V = args.virtual_stages or 2
-            wanted = [(k, 1) for k in KINDS] + ([(k, V) for k in VIRTUAL_KINDS] if V > 1 else [])
-        schedules = [make_schedule(k, args.stages, args.microbatches, v) for k, v in wanted]
-        if args.png:
-            cli.need("matplotlib", "plot", "--png")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.run_main(lambda: draw(parser.parse_args(argv)))
+
+
+def draw(args) -> int:
+    """Prints (and with --png draws) the schedules `args` asks for."""
+    if args.schedule:
+        wanted = [(args.schedule, args.virtual_stages or 1)]
+    else:
+        V = args.virtual_stages or 2
+        wanted = [(k, 1) for k in KINDS] + ([(k, V) for k in VIRTUAL_KINDS] if V > 1 else [])
+    schedules = [make_schedule(k, args.stages, args.microbatches, v) for k, v in wanted]
+    if args.png:
+        cli.need("matplotlib", "plot", "--png")
     for schedule in schedules:
         print(timeline(schedule), end="\n\n")
         if args.png:

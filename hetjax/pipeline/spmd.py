@@ -93,7 +93,7 @@ def make_plan(cfg, mesh: Mesh) -> Plan | None:
 def sharding_rules(rules) -> tuple:
     """The rules with the stacked `layers` axis split over the pipeline stages."""
     for name, target in rules:
-        targets = () if target is None else (target,) if isinstance(target, str) else target
+        targets = sharding.mesh_axes(target)
         if AXIS in targets and name != "layers":
             raise ConfigError(
                 f"config.sharding.rules maps {name!r} to the {AXIS!r} mesh axis; only the stacked "
