@@ -54,3 +54,21 @@ def parse(argv: list[str], counts: dict[str, tuple[int, int]], switches: tuple[s
     opts = {k.removeprefix("--").replace("-", "_"): v for k, v in opts.items()}
     return config_lib.load(cmd.config, overrides), opts
 
+
+def command_line(argv: list[str], default_config: str, counts: dict[str, tuple[int, int]],
+                 switches: tuple[str, ...], doc: str) -> tuple[cli.CommandLine, dict]:
+    """For benches that start training processes: their options (checked by `parse`) and
+    the rest of argv, --config (`default_config` when absent) and its overrides, as the
+    processes get it."""
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        argv = ["--config", default_config] + argv
+    _, opts = parse(argv, counts, switches, doc=doc)  # checks every argument
+    rest, args = [], list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in counts:
+            args.pop(0)
+        elif arg.partition("=")[0] not in counts and arg not in switches:
+            rest.append(arg)
+    return cli.parse_command_line(rest, flags=()), opts
+

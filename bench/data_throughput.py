@@ -1,7 +1,13 @@
 """Tokens/s the data pipeline delivers against tokens/s the train step consumes, in one run.
 
     python -m bench.data_throughput [--config configs/tiny.py] [--steps N] [--pipeline-steps P]
-        [--config.KEY=VALUE ...]
+        [--prepared] [--config.KEY=VALUE ...]
+
+--prepared: the data are real text shards instead: 20,000 JSONL documents of words
+(gzip) tokenized by `python -m hetjax.data.prepare` (byte tokenizer, 2 processes)
+into a temporary directory, read through the memory-mapped array_record source
+(config.data.source=array_record; config.model.vocab_size raised to 320 for the
+byte tokenizer's 257 ids).
 
 - train step: the config's compiled train step (hetjax.program's compile_train_step, state
   donated) over N batches made and placed beforehand, so it pays no data cost;
@@ -33,10 +39,31 @@ from hetjax.mesh import describe, make_mesh
 
 
 def parse(argv: list[str]) -> tuple[config_lib.Config, int, int]:
-    cfg, opts = common.parse(argv, {"--steps": (50, 1), "--pipeline-steps": (1000, 1)}, doc=__doc__)
+    cfg, opts = common.parse(argv, {"--steps": (50, 1), "--pipeline-steps": (1000, 1)}, ("--prepared",), doc=__doc__)
     cfg = dataclasses.replace(cfg, steps=max(cfg.steps, opts["steps"] + 1, opts["pipeline_steps"] + 2))
+    if opts["prepared"]:
+        cfg = prepared_corpus(cfg)
     config_lib.validate(cfg)
     return cfg, opts["steps"], opts["pipeline_steps"]
+
+
+def prepared_corpus(cfg):
+    """cfg reading a corpus of words prepared here (kept until the process exits)."""
+    import atexit
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from bench.prepare_throughput import corpus
+    from hetjax.data import prepare
+
+    root = Path(tempfile.mkdtemp(prefix="hetjax-bench-"))
+    atexit.register(shutil.rmtree, root, True)
+    corpus(root / "c.jsonl.gz", 20_000)
+    prepare.prepare(str(root / "c.jsonl.gz"), str(root / "prepared"), progress=False, processes=2)
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, 320)),
+        data=dataclasses.replace(cfg.data, source="array_record", path=str(root / "prepared")))
 
 
 def train_step_rate(cfg, mesh, batches) -> float:

@@ -27,7 +27,6 @@ import tempfile
 from pathlib import Path
 
 from bench import common
-from hetjax import cli as cli_lib  # `cli` below is hetjax.compile.cli
 from hetjax import config as config_lib
 from hetjax.compile import backend, cli
 from hetjax.errors import ConfigError
@@ -69,18 +68,8 @@ def one_island_overrides(cfg) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    if not any(a == "--config" or a.startswith("--config=") for a in argv):
-        argv = ["--config", DEFAULT] + argv
     counts, switches = {"--steps": (30, 4), "--skip": (5, 1)}, ("--data", "--no-pin")
-    _, opts = common.parse(argv, counts, switches, doc=__doc__)  # checks every argument
-    rest, args = [], list(argv)
-    while args:  # what the runs themselves get: --config and its overrides
-        arg = args.pop(0)
-        if arg in counts:
-            args.pop(0)
-        elif arg.partition("=")[0] not in counts and arg not in switches:
-            rest.append(arg)
-    cmd = cli_lib.parse_command_line(rest, flags=())
+    cmd, opts = common.command_line(argv, DEFAULT, counts, switches, __doc__)
     config, overrides = cmd.config, dict(cmd.overrides)
     if opts["data"]:
         overrides["hetero.placement"] = "data"

@@ -1,4 +1,18 @@
-"""Llama-3(.1)-8B's published shape, with Llama 3's RoPE frequency scaling."""
+"""Llama-3(.1)-8B's published shape, with Llama 3's RoPE frequency scaling.
+
+Real data: tokenize the corpus once with the model's own tokenizer (a local copy of
+meta-llama/Llama-3.1-8B: its directory, tokenizer.json or the original tiktoken tokenizer.model),
+on every core, then train from the shards (memory-mapped; start-up does not grow with them):
+
+    python -m hetjax.data.prepare --input 'fineweb/*.parquet' --tokenizer ckpt/llama8b \\
+        --output data/llama8b-fineweb
+    python -m hetjax.train --config llama8b --config.data.source=array_record \\
+        --config.data.path=data/llama8b-fineweb --config.data.tokenizer=ckpt/llama8b
+
+Each document gets <|begin_of_text|> ... <|end_of_text|> (config.data.bos/eos=auto
+follows the tokenizer). Several corpora: --config.data.mixture="(('web', 0.8, 'array_record',
+'data/web'), ('code', 0.2, 'array_record', 'data/code'))".
+"""
 
 from hetjax.config import Config, MeshConfig, ModelConfig, OptimConfig
 

@@ -1,4 +1,18 @@
-"""Qwen2-7B's published shape: q/k/v biases, RoPE theta 1e6, no RoPE scaling."""
+"""Qwen2-7B's published shape: q/k/v biases, RoPE theta 1e6, no RoPE scaling.
+
+Real data: tokenize the corpus once with the model's own tokenizer (a local copy of
+Qwen/Qwen2-7B: its directory, tokenizer.json),
+on every core, then train from the shards (memory-mapped; start-up does not grow with them):
+
+    python -m hetjax.data.prepare --input 'fineweb/*.parquet' --tokenizer ckpt/qwen2_7b \\
+        --output data/qwen2_7b-fineweb
+    python -m hetjax.train --config qwen2_7b --config.data.source=array_record \\
+        --config.data.path=data/qwen2_7b-fineweb --config.data.tokenizer=ckpt/qwen2_7b
+
+Each document ends with <|endoftext|> (Qwen2 has no BOS) (config.data.bos/eos=auto
+follows the tokenizer). Several corpora: --config.data.mixture="(('web', 0.8, 'array_record',
+'data/web'), ('code', 0.2, 'array_record', 'data/code'))".
+"""
 
 from hetjax.config import Config, MeshConfig, ModelConfig, OptimConfig
 

@@ -23,6 +23,7 @@ and the previous one is used.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_policy
 
+from hetjax import save_failures
 from hetjax.compile import aot
 from hetjax.checkpoint_config import CheckpointConfig
 from hetjax.errors import CheckpointError, ConfigError, CorruptCheckpoint  # noqa: F401 - raised here, caught by callers
@@ -79,6 +81,34 @@ class _LaterJsonRestore(ocp.args.JsonRestore):
     pass
 
 
+# orbax's save blocks for far longer than the copy off the devices (it starts a dozen
+# threads and waits for each: 30 ms a save on 2 busy cores), so it runs on this thread, on
+# host copies of the state. One per process: orbax numbers a process's saves in one global
+# counter, and two saves started at once (virtual islands) mix up their directories.
+# While a save may be in flight the loop calls into orbax only for all_steps(), which
+# orbax guards with a lock.
+_ORBAX = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetjax-checkpoint")
+
+
+def barriers_without_collectives() -> None:
+    """Makes orbax's barriers between processes those of jax.distributed's client; call
+    it once a process has joined its world.
+
+    By default they are collectives (sync_global_devices), issued from the checkpoint's
+    writer thread while the main thread runs the next step's collectives: on gloo the
+    processes then pair them up differently and both wait for good (seen here: a 2-process
+    job hung at its first save). The client's barriers are RPCs, which nothing can pair."""
+    from absl import flags  # orbax, imported above, defines the flag
+    if not flags.FLAGS.is_parsed():  # hetjax parses no absl flags; their defaults stand
+        flags.FLAGS.mark_as_parsed()
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+
+
+def _on_host(x: jax.Array):
+    """Where the copy of `x` that orbax writes lives: host memory, laid out as `x`."""
+    return x.sharding.with_memory_kind("pinned_host")
+
+
 def _json_restore(item: str):
     return _LaterJsonRestore() if item == "meta" else ocp.args.JsonRestore()
 
@@ -116,26 +146,33 @@ class Manager:
                 f"cannot use checkpoint directory {self.directory}: {e}; set config.checkpoint.dir "
                 f"(or config.run_dir) to a writable directory") from e
         self._pending: int | None = None
-        self._reported = False  # a save failure was raised already
-        self._causes = _FirstError(str(self.directory))
+        self._reported = False  # a save failure was raised to the caller already
+        self._causes = save_failures.FirstError(str(self.directory))
         if not read_only:  # orbax's writing threads log their errors (removed in close())
             logging.getLogger().addHandler(self._causes)
+        self._handed: concurrent.futures.Future | None = None  # the last save given to it
 
     def steps(self) -> list[int]:
-        return sorted(self._manager.all_steps())
+        """Committed steps, and the one being saved."""
+        steps = set(self._manager.all_steps())
+        return sorted(steps | {self._pending} if self._pending is not None else steps)
 
     def should_save(self, step: int) -> bool:
         return self.cfg.every > 0 and step % self.cfg.every == 0 and step not in self.steps()
 
     def save(self, step: int, state: TrainState, data_state: dict, config: dict) -> None:
-        """Starts an asynchronous save of `state` as checkpoint `step`. Raises
-        CheckpointError if this save or the previous asynchronous one failed."""
+        """Starts an asynchronous save of `state` as checkpoint `step`; returns once the
+        arrays are copied to host memory. Raises CheckpointError if this save or the
+        previous asynchronous one failed."""
         self._raise_pending_errors()
-        # The loop waits only for the copy off the devices (orbax's save below): the
-        # checksums are dispatched now and finished in orbax's writing thread.
+        # The checksums are dispatched now and finished in orbax's writing thread.
         finish = start_leaf_checksums({"params": state.params, "opt_state": state.opt_state})
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
         started = time.time()
+        # The copy off the devices, the only part the loop waits for: after it the
+        # state may be donated to the next step.
+        arrays = {"params": state.params, "opt_state": state.opt_state}
+        host = jax.block_until_ready(jax.device_put(arrays, jax.tree.map(_on_host, arrays)))
 
         def meta() -> dict:
             checksums = finish()
@@ -143,72 +180,81 @@ class Manager:
             return {"step": step, "params_checksum": params_checksum(shapes, params_hashes),
                     "checksums": checksums, "time": started}
         args = ocp.args.Composite(
-            params=ocp.args.StandardSave(state.params),
-            opt_state=ocp.args.StandardSave(state.opt_state),
+            params=ocp.args.StandardSave(host["params"]),
+            opt_state=ocp.args.StandardSave(host["opt_state"]),
             data=ocp.args.JsonSave(dict(data_state)),
             config=ocp.args.JsonSave(config),
             meta=_LaterJsonSave(meta),
         )
-        try:
-            self._manager.save(step, args=args, force=True)
-        except Exception as e:
-            # orbax first finishes the previous save: its failure is that step's.
-            failed, self._pending = self._pending or step, None
-            raise self._save_error(failed, e) from e
-        self._pending = step
+        previous, self._pending = self._pending, step
+        # orbax first finishes the previous save: its failure is that step's.
+        self._handed = _ORBAX.submit(self._orbax_save, step, previous, args)
         if not self.cfg.async_save:
             self.wait()
 
+    def _orbax_save(self, step: int, previous: int | None, args) -> None:
+        try:
+            self._manager.save(step, args=args, force=True)
+        except Exception as e:
+            raise self._save_error(previous or step, e) from e
+
     def wait(self) -> None:
         """Blocks until the last save is committed; raises CheckpointError if it failed."""
+        self._take_handed()
         try:
             self._manager.wait_until_finished()
             self._manager.check_for_errors()
         except Exception as e:
-            step, self._pending = self._pending, None
+            step, self._pending, self._reported = self._pending, None, True
             raise self._save_error(step, e) from e
         # Looked up directly: orbax's reload() stats every step directory and fails when its
         # background delete removes an old one meanwhile. orbax renames a step into place last.
         if self._pending is not None and not (self.directory / str(self._pending)).is_dir():
-            step, self._pending = self._pending, None
+            step, self._pending, self._reported = self._pending, None, True
             raise self._save_error(step, RuntimeError("the step directory was not committed"))
         self._pending = None
         self._causes.clear()  # all committed: what orbax logged before is no cause of a later failure
 
+    def _take_handed(self) -> None:
+        """Waits for the save handed to our orbax thread; raises what it raised."""
+        handed, self._handed = self._handed, None
+        if handed is not None:
+            try:
+                handed.result()
+            except CheckpointError:
+                self._pending, self._reported = None, True
+                raise
+
     def _raise_pending_errors(self):
-        if self._pending is not None:
+        """Raises the failure of the save in flight, if it has failed by now."""
+        if self._handed is not None and self._handed.done():
+            self._take_handed()
+        if self._pending is not None and self._handed is None:
             try:
                 self._manager.check_for_errors()
             except Exception as e:
-                step, self._pending = self._pending, None
+                step, self._pending, self._reported = self._pending, None, True
                 raise self._save_error(step, e) from e
 
     def _save_error(self, step, error) -> CheckpointError:
-        """The error to raise for a failed save: the first cause orbax logged from its
-        writing threads (it often raises only a generic one), the checkpoint kept, and
-        a hint that fits the cause. Never raises itself: it only lists step directories."""
-        self._reported = True
-        cause = _root_cause(error) or self._causes.first() or f"{type(error).__name__}: {error}"
-        self._causes.clear()
-        try:
-            good = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and int(p.name) != step]
-        except OSError:
-            good = []
-        kept = f"the previous checkpoint (step {max(good)}) is untouched" if good else "no earlier checkpoint exists"
-        return CheckpointError(f"saving checkpoint step {step} to {self.directory} failed: {cause}; {kept}. "
-                               f"{_hint(cause)}")
+        return save_failures.error(self.directory, step, error, self._causes)
 
     def close(self) -> None:
         """Waits for the last save and releases orbax; after a save failure was already
         raised, the same failure is not raised again (it would hide the first report)."""
+        already = self._reported
         try:
             self.wait()
         except CheckpointError:
-            if not self._reported:
+            if not already:
                 raise
         finally:
             logging.getLogger().removeHandler(self._causes)
-            self._manager.close()
+            try:
+                self._manager.close()  # raises a failed save's error once more
+            except Exception as e:
+                if not self._reported:
+                    raise self._save_error(self._pending, e) from e
 
     # -- restoring ---------------------------------------------------------
 
@@ -289,47 +335,6 @@ def params_checksum_of(meta: dict) -> str:
     """A checkpoint's parameter checksum as saved; checkpoints written before the key was
     renamed (0.1.0's first round) keep it as `params_fingerprint`."""
     return meta.get("params_checksum") or meta.get("params_fingerprint") or "not recorded"
-
-
-class _FirstError(logging.Handler):
-    """Keeps the first error logged (by orbax's background threads) about `directory`."""
-
-    def __init__(self, directory: str):
-        super().__init__(logging.ERROR)
-        self.directory, self._first = directory, None
-
-    def emit(self, record) -> None:
-        if self._first is None:
-            text = record.getMessage()
-            if " raised an exception: " in text or self.directory in text:
-                self._first = text.split(" raised an exception: ", 1)[-1]
-
-    def first(self) -> str | None:
-        return self._first
-
-    def clear(self) -> None:
-        self._first = None
-
-
-def _root_cause(error: BaseException) -> str | None:
-    """The innermost OSError in `error`'s chain (orbax wraps it in its own errors)."""
-    found, seen = None, set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError):
-            found = error
-        error = error.__cause__ or error.__context__
-    return None if found is None else f"{type(found).__name__}: {found}"
-
-
-def _hint(cause: str) -> str:
-    low = cause.lower()
-    if any(k in low for k in ("no space", "file too large", "quota", "errno 28", "errno 27")):
-        return ("Free disk space (or raise the file size limit, `ulimit -f`) for "
-                "config.checkpoint.dir, or point it elsewhere")
-    if any(k in low for k in ("permission", "read-only", "errno 13", "errno 30")):
-        return "Fix the permissions of config.checkpoint.dir, or point it at a writable directory"
-    return "Fix the cause above, or point config.checkpoint.dir at another directory"
 
 
 def check_shapes(saved_tree, abstract, where: str, saved_config: dict | None = None) -> None:

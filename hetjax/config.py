@@ -27,6 +27,7 @@ from hetjax.errors import ConfigError
 from hetjax.hetero.config import (PLACEMENTS, PLATFORMS, HeteroConfig, IslandConfig, island_mesh_sizes,
                                   validate_hetero)
 from hetjax.mesh import MESH_AXES, MeshConfig, validate_mesh
+from hetjax.metrics import WandbConfig, validate_wandb
 from hetjax.models.llama import ModelConfig, validate_model
 from hetjax.optim import OptimConfig, validate_optim
 from hetjax.pipeline.config import PIPELINE_SCHEDULES, PipelineConfig, validate_pipeline
@@ -39,7 +40,7 @@ __all__ = [
     "BACKENDS", "CHECKSUMS", "DATA_SOURCES", "DEFAULT_RULES", "MESH_AXES", "PIPELINE_SCHEDULES",
     "PLACEMENTS", "PLATFORMS", "CheckpointConfig", "CompileConfig", "Config", "ConfigError",
     "DataConfig", "HeteroConfig", "IslandConfig", "LinkConfig", "MeshConfig", "ModelConfig",
-    "OptimConfig", "PipelineConfig", "ShardingConfig", "find_config_file", "island_mesh_sizes",
+    "OptimConfig", "PipelineConfig", "ShardingConfig", "WandbConfig", "find_config_file", "island_mesh_sizes",
     "load", "override", "save", "to_dict", "validate",
 ]
 
@@ -74,6 +75,7 @@ class Config:
     hetero: HeteroConfig = HeteroConfig()
     fingerprint_every: int = 50  # parameter digest + norms every N steps (hetjax.repro); 0: first and last only
     profile_steps: str = ""  # "A:B": trace steps A..B-1 (jax.profiler; islands: hetjax.hetero.timeline too)
+    wandb: WandbConfig = WandbConfig()  # Weights & Biases, off until wandb.project is set
 
 
 # ---------------------------------------------------------------------------
@@ -220,6 +222,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config.fingerprint_every={cfg.fingerprint_every}: use 0 (first and last "
                           f"step only) or a positive step count")
     _validate_profile_steps(cfg.profile_steps)
+    validate_wandb(cfg.wandb)
 
 
 def _validate_finite(section, prefix: str = "config") -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -14,6 +15,8 @@ import jax
 import numpy as np
 
 from hetjax import checkpoint, memory, metrics, program, repro, sharding
+from hetjax.compile import backend
+from hetjax.errors import ConfigError
 from hetjax.mesh import describe, make_mesh
 from hetjax.pipeline.stages import StageLayout, permute_layers
 
@@ -84,6 +87,48 @@ class Job(Protocol):
         """Releases what the job holds (links, timelines)."""
 
 
+def start(cfg) -> tuple[str, object]:
+    """Sets up the backend (before jax starts) and, where a scheduler started this one-mesh
+    job as several processes (launch.local --processes, srun -n N, a Kubernetes Indexed
+    Job), joins them into one jax.distributed world; (start-up line, settings or None)."""
+    from hetjax.hetero import runtime, scheduler
+    platform = backend.resolve(cfg.compile)[0].platform
+    world = scheduler.mesh_world(os.environ, cfg, platform=platform)
+    if world is None:
+        return backend.start(cfg), None
+    if platform == "cpu" and cfg.compile.cache:
+        # As for CPU islands (hetjax/hetero/job.py): programs with gloo collectives loaded
+        # from the persistent cache have aborted in XLA:CPU's rendezvous; compile afresh.
+        cfg = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, cache=False))
+    line = backend.start(cfg)
+    island = scheduler.one_island(cfg, world.num_processes, _local_devices(cfg, platform, world.num_processes),
+                                  platform).hetero.islands[0]
+    runtime.initialize(world, island, cfg.hetero.timeout_s)  # gloo across processes on CPU
+    checkpoint.barriers_without_collectives()
+    return (f"{line}; process {world.process_id} of {world.num_processes} in one jax.distributed world "
+            f"(coordinator {world.coordinator}, from {world.source})"), world
+
+
+def _local_devices(cfg, platform: str, processes: int) -> int:
+    """The devices each process of a one-mesh world must see."""
+    sizes = [getattr(cfg.mesh, a) for a in ("pipeline", "data", "fsdp", "tensor")]
+    if -1 not in sizes:
+        if math.prod(sizes) % processes:
+            raise ConfigError(f"config.mesh ({math.prod(sizes)} devices) does not split over {processes} "
+                              f"processes; give every process the same number of devices")
+        return math.prod(sizes) // processes
+    if platform == "cpu":
+        flags = os.environ.get("XLA_FLAGS", "").split()
+        found = [f.split("=", 1)[1] for f in flags if f.startswith("--xla_force_host_platform_device_count=")]
+        return int(found[-1]) if found and found[-1].isdigit() else 1
+    visible = os.environ.get({"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}.get(platform, ""), "")
+    if visible:
+        return len(visible.split(","))
+    raise ConfigError(f"config.mesh has a -1 axis, so it cannot say how many {platform} devices each of the "
+                      f"{processes} processes holds; give every mesh axis its size (e.g. "
+                      f"--config.mesh.fsdp=N), or set CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES")
+
+
 class MeshJob:
     """A training job on one mesh (no islands): builds its program abstractly first,
     compiles, and restores or initialises the state."""
@@ -93,7 +138,8 @@ class MeshJob:
     def __init__(self, cfg, dataset, compile_only: bool = False, log=print):
         self.cfg, self.dataset = cfg, dataset
         self._batch_words: dict = {}
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # this process's request (SIGTERM)
+        self._agreed = False  # every process's, agreed at the last step
         # Everything below up to init_state is abstract: no parameter is allocated.
         mesh = make_mesh(cfg.mesh)
         prog = program.build(cfg, mesh)  # checks that the model splits over the mesh
@@ -116,6 +162,8 @@ class MeshJob:
         if compile_only:
             return
         self.run_dir = Path(cfg.run_dir)
+        if jax.process_index():  # one writer of run_dir's files per job: process 0
+            self.run_dir = self.run_dir / "processes" / str(jax.process_index())
         self.checkpoints = checkpoint.Manager(checkpoint.default_dir(cfg), cfg.checkpoint)
         if prog.plan is not None and prog.plan.layout.virtual > 1:
             self.checkpoints = ModelOrderCheckpoints(self.checkpoints, prog.plan.layout, prog.state_shardings)
@@ -125,7 +173,7 @@ class MeshJob:
         if restored is not None:
             self.state, self.start = restored.state, restored.step
             log(f"resumed from step {self.start} of {self.checkpoints.directory} "
-                f"(parameter checksum {restored.meta.get('params_checksum')})")
+                f"(parameter checksum {checkpoint.params_checksum_of(restored.meta)})")
         elif cfg.init_from:
             params = checkpoint.load_params(cfg.init_from, prog.state.params, prog.state_shardings.params)
             if isinstance(self.checkpoints, ModelOrderCheckpoints):
@@ -142,12 +190,19 @@ class MeshJob:
 
     @property
     def stop_requested(self) -> bool:
-        return self._stop.is_set()
+        return self._agreed if jax.process_count() > 1 else self._stop.is_set()
 
     def request_stop(self) -> None:
         self._stop.set()
 
     def train_step(self, state, batch):
+        stop = self._stop.is_set()
+        if jax.process_count() > 1:
+            # Every process must stop at the same step (a save is collective); SIGTERM
+            # reaches them at different times.
+            from jax.experimental import multihost_utils
+            stop = bool(multihost_utils.process_allgather(np.int32(stop)).max())
+        self._agreed = stop
         return self.compiled(state, batch)
 
     def eval_sums(self, state, i: int) -> dict:

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import queue
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from hetjax import cli
 from hetjax.compile import hardware
+from hetjax.errors import ConfigError
 
 # Dense bf16 peak per device, FLOP/s, from the vendors' data sheets (hetjax.compile.hardware).
 PEAK_FLOPS = {name: hw.peak_flops for name, hw in hardware.TABLE.items()}
@@ -26,6 +31,26 @@ def model_flops_per_token(cfg, num_params: int) -> float:
     lookup = 0 if m.tie_embeddings else m.vocab_size * m.embed_dim
     attention = 12 * m.num_layers * m.num_heads * m.head_dim * cfg.seq_len
     return 6 * (num_params - lookup) + attention
+
+
+def maxtext_flops_per_token(cfg) -> float:
+    """Training FLOPs per token as MaxText counts them (calculate_tflops_training_per_device):
+    3 x 2 per weight of the matmuls (SwiGLU's three, q/k/v/o, the output head once; no
+    norms, biases or input lookup) plus attention with its causal half skipped."""
+    m = cfg.model
+    per_layer = 3 * m.embed_dim * m.mlp_dim + m.embed_dim * (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+    weights = m.num_layers * per_layer + m.vocab_size * m.embed_dim
+    causal_attention = 6 * m.num_layers * m.num_heads * m.head_dim * cfg.seq_len  # 12 L H d S / 2
+    return 6 * weights + causal_attention
+
+
+def peak_memory_gib(devices) -> float | None:
+    """The most bytes any of `devices` has held at once since the process started
+    (jax's memory_stats "peak_bytes_in_use"), in GiB; None where the platform does not
+    report it (CPU)."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    peaks = [p for p in peaks if p is not None]
+    return max(peaks) / 2**30 if peaks else None
 
 
 def measure_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
@@ -56,14 +81,94 @@ def peak_flops(cfg, devices) -> tuple[float, str]:
     return math.nan, f"unknown device kind {kind!r}: set config.peak_tflops"
 
 
+WANDB_MODES = ("", "online", "offline", "disabled")
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases (`pip install 'hetjax[wandb]'`): off while `project` is empty."""
+
+    project: str = ""  # e.g. --config.wandb.project=hetjax: one W&B run per job
+    entity: str = ""  # team or user; "": wandb's default
+    name: str = ""  # the run's name; "": config.name
+    group: str = ""  # groups a job's runs (an islands job's other processes); "": the run's name
+    mode: str = ""  # online | offline | disabled; "": WANDB_MODE, else online
+
+
+def validate_wandb(w: WandbConfig) -> None:
+    """Checks the section; with a project set, that wandb is installed (before compiling)."""
+    if w.mode not in WANDB_MODES:
+        raise ConfigError(f"config.wandb.mode={w.mode!r}: use one of {', '.join(repr(m) for m in WANDB_MODES)}")
+    if w.project:
+        cli.need("wandb", "wandb", f"config.wandb.project={w.project!r}")
+        mode = w.mode or os.environ.get("WANDB_MODE", "online")
+        if mode in ("online", "run") and not _wandb_logged_in():
+            # Found now, not after the step compiled: wandb would stop the run at its start.
+            raise ConfigError(
+                f"config.wandb.project={w.project!r}: this machine is not logged in to W&B (no "
+                f"WANDB_API_KEY, no entry in ~/.netrc); run `wandb login`, or log without a network "
+                f"with --config.wandb.mode=offline (or WANDB_MODE=offline) and `wandb sync` later")
+
+
+def _wandb_logged_in() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+    from urllib.parse import urlparse
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class WandbRun:
+    """Mirrors metrics.jsonl into one W&B run, with the resolved config attached. A run
+    restarted in the same run_dir continues the same W&B run (its id is in
+    run_dir/wandb_run_id); rows are keyed by their `step`, so a resumed run's repeated
+    steps are logged again rather than dropped."""
+
+    def __init__(self, w: WandbConfig, run_dir: Path, config: dict, suffix: str = ""):
+        wandb = cli.need("wandb", "wandb", f"config.wandb.project={w.project!r}")
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+        id_file.write_text(run_id + "\n")
+        name = (w.name or config.get("name", "hetjax")) + suffix
+        self.run = wandb.init(project=w.project, entity=w.entity or None, name=name, id=run_id,
+                              group=w.group or (w.name or config.get("name", "hetjax")),
+                              job_type="island" if suffix else "train", mode=w.mode or None,
+                              dir=str(run_dir), config=config, resume="allow")
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, step: int, scalars: dict) -> None:
+        self.run.log({"step": step, **scalars})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def start_wandb(w: WandbConfig, run_dir: Path, config: dict, writes: bool | None) -> WandbRun | None:
+    """The W&B run of this process, or None. `writes` is the job's writes_fingerprints:
+    None on one mesh, where process 0 logs for all (the others log the same losses);
+    with islands, the process that writes run_dir logs the job's run and every other
+    process its own island's series, as a run in the same group."""
+    if not w.project:
+        return None
+    if writes is None:
+        return WandbRun(w, run_dir, config) if jax.process_index() == 0 else None
+    return WandbRun(w, run_dir, config, "" if writes else f"/{run_dir.name}")
+
+
 BAR_KEYS = ("loss", "eval_loss", "mfu")  # the progress bar's postfix: 80 columns hold these
 
 
 class Writer:
     """Writes each step's scalars to metrics.jsonl and TensorBoard; shows progress."""
 
-    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool = True, wandb: WandbRun | None = None):
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.wandb = wandb
         self.tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
@@ -79,6 +184,8 @@ class Writer:
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(step, scalars)
         first = sorted(scalars, key=lambda k: k not in ("loss", "eval_loss"))  # the loss leads
         text = " ".join(f"{k}={scalars[k]:.4g}" for k in first)
         if self.bar is not None:
@@ -105,6 +212,8 @@ class Writer:
                       f"may be missing (metrics.jsonl is complete)", file=sys.stderr, flush=True)
         if self.bar is not None:
             self.bar.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def truncate(run_dir: Path, start: int, name: str = "metrics.jsonl") -> None:

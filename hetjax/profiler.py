@@ -1,9 +1,17 @@
 """config.profile_steps=A:B: a jax.profiler trace of steps A..B-1, which TensorBoard's
 profile plugin and Perfetto open. Jobs over islands also draw their own timeline of
-those steps (hetjax.hetero.timeline)."""
+those steps (hetjax.hetero.timeline).
+
+Each process writes its own trace into its run directory's profile/ (a process of an
+islands job has a run directory of its own; the processes of one mesh share one, so
+each gets profile/process<i>/): plugins/profile/<time>/<host>.xplane.pb for
+TensorBoard's profile plugin (`tensorboard --logdir RUN_DIR/profile`) and
+perfetto_trace.json.gz beside it for https://ui.perfetto.dev. Each traced step is a
+StepTraceAnnotation named "train", which the profile plugin's step view reads."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import jax
@@ -23,12 +31,14 @@ class Profiler:
     def __init__(self, window: str, directory: Path, log=print):
         self.window = parse_window(window)
         self.directory, self.log, self.active = Path(directory), log, False
+        if self.window and jax.process_count() > 1:  # two processes' traces would share a file name
+            self.directory = self.directory / f"process{jax.process_index()}"
 
     def before(self, step: int) -> bool:
         """Before step `step` is dispatched; True when the trace started now."""
         if self.window and step == self.window[0]:
             self.directory.mkdir(parents=True, exist_ok=True)
-            jax.profiler.start_trace(str(self.directory))
+            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
             self.active = True
             return True
         return False
@@ -41,6 +51,12 @@ class Profiler:
             self.close()
             return True
         return False
+
+    def step(self, step: int):
+        """A context around step `step`'s dispatch: its StepTraceAnnotation while tracing."""
+        if self.active:
+            return jax.profiler.StepTraceAnnotation("train", step_num=step)
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         if self.active:

@@ -11,6 +11,7 @@ abstract inputs and prints the compiler's memory and FLOP figures instead.
 from __future__ import annotations
 
 import sys
+import time
 
 import jax
 import numpy as np
@@ -19,8 +20,9 @@ from hetjax import checkpoint
 from hetjax import cli as cli_lib  # `cli` below is the console script's entry point
 from hetjax import config as config_lib
 from hetjax import data, memory, metrics, repro, stop as stop_lib
-from hetjax.compile import aot, backend
+from hetjax.compile import aot
 from hetjax.hetero import job as hetero_job
+from hetjax import job as job_lib
 from hetjax.job import Job, MeshJob
 from hetjax.profiler import Profiler
 from hetjax.errors import TrainingDiverged
@@ -41,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.hetero.islands:
         line, settings = hetero_job.start(cfg)  # each island's profile; joins its jax.distributed world
     else:
-        line, settings = backend.start(cfg), None  # XLA flags and env before jax touches a device
+        # XLA flags and env before jax touches a device; joins the processes of a one-mesh
+        # job started as several (srun -n N, launch.local --processes N) into one world.
+        line, settings = job_lib.start(cfg)
     print(line, flush=True)
     dataset = data.build(cfg)  # bad data is reported before anything is compiled
     if cfg.init_from:
@@ -74,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_lib.save(cfg, run_dir / "config.json")
         metrics.truncate(run_dir, start)
-        writer = metrics.Writer(run_dir, cfg.steps, cfg.tensorboard)
+        writer = metrics.Writer(run_dir, cfg.steps, cfg.tensorboard, metrics.start_wandb(
+            cfg.wandb, run_dir, config_lib.to_dict(cfg), job.writes_fingerprints))
         recorder = repro.Recorder(run_dir, cfg, job.mesh, None, start, write=job.writes_fingerprints)
         profiler = Profiler(cfg.profile_steps, run_dir / "profile", log)
     except BaseException:
@@ -83,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         signals.close()
         raise
     last_finite, clock = -1, metrics.StepClock()
+    # MaxText's count (causal attention halved, matmul weights only) beside the PaLM one.
+    maxtext_flops = metrics.maxtext_flops_per_token(cfg) * cfg.batch_size * cfg.seq_len
+    data_waits: dict[int, float] = {}  # step -> seconds the loop waited for its batch
 
     def report(s, step_metrics):
         nonlocal last_finite
@@ -95,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"Lower config.optim.learning_rate or config.optim.grad_clip_norm")
         last_finite = s
         values.update(step_time=step_time, tokens_per_sec=values["tokens"] / step_time,
-                      mfu=flops_per_step / step_time / peak)
+                      mfu=flops_per_step / step_time / peak, mfu_maxtext=maxtext_flops / step_time / peak,
+                      data_wait_time=data_waits.pop(s))
+        peak_memory = metrics.peak_memory_gib(jax.local_devices())  # None on CPU: not reported
+        if peak_memory is not None:
+            values["peak_memory_gib"] = peak_memory
         if dataset.floor is not None:
             values["above_floor"] = values["loss"] - dataset.floor
         writer.write(s, values, echo=s % cfg.log_every == 0 or s == cfg.steps - 1)
@@ -124,11 +136,14 @@ def main(argv: list[str] | None = None) -> int:
         if recorder.due(start):
             recorder.write_params(start, job.param_fingerprint(state))
         for s in range(start, cfg.steps):
+            waited = time.perf_counter()
             batch = next(batches)
+            data_waits[s] = time.perf_counter() - waited
             job.digest_batch(s, batch)
             if profiler.before(s):
                 clock.resume(s)  # starting the trace is not step time
-            state, step_metrics = job.train_step(state, batch)
+            with profiler.step(s):  # the profile plugin's step marker, while tracing
+                state, step_metrics = job.train_step(state, batch)
             clock.dispatched(s, step_metrics)  # the same clock for every kind of job
             if profiler.after(s, step_metrics):
                 clock.resume(s + 1)

@@ -2,6 +2,11 @@
 
     python -m launch.local --config configs/X.py [--config.KEY=VALUE ...] [--stand_in cpu]
                            [--backend host|direct] [--module hetjax.hetero.linkcheck] [--pin auto|off]
+    python -m launch.local --config configs/tiny.py --processes 2 [--config.KEY=VALUE ...]
+
+With --processes N, a config without islands runs as one jax.distributed world of N
+processes over one mesh (each process holds mesh devices / N of it; N virtual devices in
+all when the mesh has a -1 axis), as `srun -n N` runs it (launch/slurm/mesh.sbatch).
 
 Every process of every island runs `python -m hetjax.train` (or --module's) with its
 own environment: its island and rank, every process's host (all this machine) and the
@@ -18,6 +23,7 @@ to let them share all).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import secrets
 import signal
@@ -111,13 +117,19 @@ def device_env(platform: str, devices: int, first_device: int = 0, base=None) ->
     return env
 
 
-def job_config(config: str, overrides: dict[str, str] | None, backend: str | None) -> tuple[Config, dict]:
-    """The config every process runs, and the overrides that make it (virtual islands off)."""
+def job_config(config: str, overrides: dict[str, str] | None, backend: str | None,
+               processes: int | None = None) -> tuple[Config, dict]:
+    """The config every process runs, and the overrides that make it (virtual islands off).
+    With `processes`, a config without islands, seen as one island `mesh` of that many
+    processes (hetero.scheduler.one_island), which is how each process will place itself."""
     overrides = dict(overrides or {}, **{"hetero.virtual": "False"})
     cfg = config_lib.load(config, overrides)
+    if processes is not None:
+        return _mesh_job_config(config, cfg, processes, backend), overrides
     if not cfg.hetero.islands:
         raise ConfigError(f"--config={config!r} has no config.hetero.islands; launch.local starts "
-                          f"multi-island jobs (run python -m hetjax.train for a single island)")
+                          f"multi-island jobs, or a one-mesh job over several processes with "
+                          f"--processes N (run python -m hetjax.train for one process)")
     if cfg.hetero.links and backend:
         raise ConfigError(f"--backend={backend} sets config.hetero.link, but config.hetero.links sets "
                           f"each link itself; set config.hetero.links[k].backend instead")
@@ -126,6 +138,24 @@ def job_config(config: str, overrides: dict[str, str] | None, backend: str | Non
         cfg = config_lib.override(cfg, "hetero.link.backend", overrides["hetero.link.backend"])
     config_lib.validate(cfg)
     return cfg, overrides
+
+
+def _mesh_job_config(config: str, cfg: Config, processes: int, link_backend: str | None) -> Config:
+    if cfg.hetero.islands:
+        raise ConfigError(f"--processes={processes}: --config={config!r} has islands, and each island says "
+                          f"its own num_processes; drop --processes")
+    if link_backend:
+        raise ConfigError(f"--backend={link_backend}: a one-mesh job has no links between islands; drop it")
+    if processes < 1:
+        raise ConfigError(f"--processes={processes}: give at least 1")
+    config_lib.validate(cfg)
+    sizes = [getattr(cfg.mesh, a) for a in ("pipeline", "data", "fsdp", "tensor")]
+    total = processes if -1 in sizes else math.prod(sizes)
+    if total % processes:
+        raise ConfigError(f"--processes={processes}: config.mesh has {total} devices, which do not split "
+                          f"evenly over {processes} processes; choose a divisor of {total}")
+    platform = backend.resolve(cfg.compile)[0].platform
+    return scheduler.one_island(cfg, processes, total // processes, platform)
 
 
 def secret_env(cfg: Config, environ=None) -> dict[str, str]:
@@ -167,7 +197,7 @@ def _signal_group(proc: subprocess.Popen, sig) -> None:
 def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str = "",
         backend: str | None = None, timeout_s: float | None = None, command: list[str] | None = None,
         island_overrides: dict[str, dict[str, str]] | None = None, out=None, on_line=None,
-        pin: str = "auto") -> int:
+        pin: str = "auto", processes: int | None = None) -> int:
     """Runs the job to its end; returns 0, or the exit status of the first process that failed.
 
     pin: "auto" gives each CPU process its own share of this machine's cores (cpu_shares,
@@ -177,11 +207,12 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
     island_overrides: extra --config.KEY=VALUE for one island's processes (to test that
     islands with different configs refuse to start).
     on_line(process, line): called with each output line of each Process (a watchdog's hook).
+    processes: run a config without islands as one jax.distributed world of that many processes.
     """
     out = sys.stdout if out is None else out
     if pin not in ("auto", "off"):
         raise ConfigError(f"--pin={pin!r}: choose auto (a share of the cores per CPU process) or off")
-    cfg, overrides = job_config(config, overrides, backend)
+    cfg, overrides = job_config(config, overrides, backend, processes)
     timeout_s = cfg.hetero.timeout_s if timeout_s is None else timeout_s
     islands = {i.name: i for i in cfg.hetero.islands}
     unknown = set(island_overrides or {}) - set(islands)
@@ -193,6 +224,8 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
     logs = Path(cfg.run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     shared = dict(os.environ, **secret_env(cfg))
+    if processes is not None:
+        shared[scheduler.NUM_PROCESSES] = str(processes)
     lock, procs, next_device = threading.Lock(), [], {}
 
     def say(text):
@@ -317,7 +350,7 @@ def _terminate(procs: list[Process], say) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = cli_lib.parse_command_line(sys.argv[1:] if argv is None else argv, flags=(), doc=__doc__,
                                       options={"stand_in": "", "backend": None, "module": "hetjax.train",
-                                               "pin": "auto"})
+                                               "pin": "auto", "processes": None})
     options = args.options
     if options["stand_in"] not in ("",) + config_lib.PLATFORMS:
         raise ConfigError(f"--stand_in={options['stand_in']!r}: choose one of {config_lib.PLATFORMS}")
@@ -325,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--backend={options['backend']!r}: choose host or direct")
     if options["module"] not in MODULES:
         raise ConfigError(f"--module={options['module']!r}: choose one of {MODULES}")
+    if options["processes"] is not None:
+        text = options["processes"]
+        if not str(text).isdigit() or int(text) < 1:
+            raise ConfigError(f"--processes={text!r}: give a number of processes, e.g. --processes 2")
+        options["processes"] = int(text)
     command = [sys.executable, "-m", options.pop("module")]
     return run(args.config, args.overrides, command=command, **options)
 

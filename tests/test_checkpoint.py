@@ -308,7 +308,7 @@ def test_training_on_a_full_disk_exits_with_the_cause_in_one_line(tmp_path):
                           timeout=300)
     # orbax's own threads log their tracebacks too (before or after): ours is one line.
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 1 and len(ours) == 1, proc.stderr[-3000:]
+    assert proc.returncode == 1 and len(ours) == 1, (ours, proc.returncode, proc.stderr[-3000:])
     last = ours[0]
     assert last.startswith("error: saving checkpoint step 3 "), last
     assert "File too large" in last and "Free disk space" in last and "no earlier checkpoint" in last, last

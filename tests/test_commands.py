@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 COMMANDS = ["hetjax.train", "hetjax.data.prepare", "launch.local", "hetjax.compile", "hetjax.plan",
             "hetjax.pipeline", "hetjax.repro", "hetjax.convert", "hetjax.transfer.probe",
-            "hetjax.hetero.linkcheck", "hetjax.hetero.timeline", "bench.step_overhead",
+            "hetjax.hetero.linkcheck", "hetjax.hetero.timeline", "hetjax.plot", "bench.step_overhead",
             "bench.checkpoint_cost", "bench.data_throughput", "bench.gpu_step", "bench.hetero_vs_homogeneous",
             "bench.pipeline_bubble", "bench.transfer_bandwidth"]
 
@@ -56,7 +56,7 @@ def test_options_take_dashes_or_underscores(tmp_path):
     assert "example:\n  x --max_shard_gb 5" in p.format_help()
     # the hand-parsed commands too: prepare's --docs_per_shard spelled with dashes reaches its check
     r = run("hetjax.data.prepare", "--input", "a", "--output", "b", "--docs-per-shard", "0")
-    assert r.returncode == 2 and "--docs_per_shard='0': give a positive integer" in r.stderr, r.stderr
+    assert r.returncode == 2 and "--docs_per_shard='0': give an integer >= 1" in r.stderr, r.stderr
 
 
 def _one_line(r, extra):

@@ -3,7 +3,8 @@
 Each process (8 CPU devices shared among the processes, gloo collectives) builds
 the batches of steps 0..2 on a data=4 x fsdp=2 mesh and writes the rows its
 devices hold and the rows it read; the parent compares them with the packed
-rows computed here in one process. All 7 processes run at once.
+rows computed here in one process. All 7 processes run at once. Each also does the
+same for a mixture of two JSONL sources (config.data.mixture).
 """
 
 import os
@@ -18,10 +19,20 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
 
 
-def config():
+def config(mix_dir: str = ""):
     from hetjax.config import Config, DataConfig, MeshConfig, ModelConfig
+    if mix_dir:
+        mix = tuple((n, w, "jsonl", f"{mix_dir}/{n}.jsonl") for n, w in (("a", 2.0), ("b", 1.0)))
+        return Config(model=ModelConfig(vocab_size=320), mesh=MeshConfig(data=4, fsdp=2), batch_size=8,
+                      seq_len=16, data=DataConfig(seed=11, mixture=mix, index_dir=f"{mix_dir}/ix"))
     return Config(model=ModelConfig(vocab_size=64), mesh=MeshConfig(data=4, fsdp=2), batch_size=8,
                   seq_len=16, data=DataConfig(seed=11, mean_doc_length=12, num_documents=300))
+
+
+def write_mixture(directory) -> None:
+    for name, n in (("a", 40), ("b", 25)):
+        (directory / f"{name}.jsonl").write_text("".join(f'{{"text": "{name} document {i} {"x" * (i % 13)}"}}\n'
+                                                         for i in range(n)))
 
 
 def worker(process_id: int, num_processes: int, port: int, out: str) -> None:
@@ -33,21 +44,21 @@ def worker(process_id: int, num_processes: int, port: int, out: str) -> None:
                                process_id=process_id, initialization_timeout=120)
     from hetjax import data, program
     from hetjax.mesh import make_mesh
-    cfg = config()
-    d = data.build(cfg)
-    sh = program.batch_shardings(make_mesh(cfg.mesh), cfg.sharding.rules)
-    it = d.iterator(sh)
-    saved = {}
-    for s in range(STEPS):
-        batch = next(it)
-        saved[f"read_{s}"] = it.last_rows[0]
-        for k, arr in batch.items():
-            for j, shard in enumerate(arr.addressable_shards):
-                rows = np.arange(8)[shard.index[0]]
-                saved[f"{k}_{s}_{j}_rows"] = rows
-                saved[f"{k}_{s}_{j}"] = np.asarray(shard.data)
-    it.close()
-    np.savez(out, **saved)
+    for prefix, cfg in (("", config()), ("mix", config(os.path.dirname(out)))):
+        d = data.build(cfg)
+        sh = program.batch_shardings(make_mesh(cfg.mesh), cfg.sharding.rules)
+        it = d.iterator(sh)
+        saved = {}
+        for s in range(STEPS):
+            batch = next(it)
+            saved[f"read_{s}"] = it.last_rows[0]
+            for k, arr in batch.items():
+                for j, shard in enumerate(arr.addressable_shards):
+                    rows = np.arange(8)[shard.index[0]]
+                    saved[f"{k}_{s}_{j}_rows"] = rows
+                    saved[f"{k}_{s}_{j}"] = np.asarray(shard.data)
+        it.close()
+        np.savez(out.replace(".npz", f"{prefix}.npz"), **saved)
     jax.distributed.shutdown()
 
 
@@ -59,6 +70,8 @@ def free_port() -> int:
 
 def test_global_batches_are_the_same_for_1_2_and_4_processes(tmp_path):
     from hetjax import data
+    write_mixture(tmp_path)
+    mixed = data.build(config(str(tmp_path)))  # builds the text index the processes share
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT)}
     procs = []
     for n in (1, 2, 4):
@@ -77,11 +90,10 @@ def test_global_batches_are_the_same_for_1_2_and_4_processes(tmp_path):
             raise AssertionError(f"process {pid} of {n} did not finish in 240 s")
         assert p.returncode == 0, f"process {pid} of {n}:\n{log[-3000:]}"
 
-    d = data.build(config())
-    for n in (1, 2, 4):
+    for (n, prefix), d in {(n, p): d for n in (1, 2, 4) for p, d in (("", data.build(config())), ("mix", mixed))}.items():
         held = {s: set() for s in range(STEPS)}
         for pid in range(n):
-            got = np.load(tmp_path / f"n{n}_p{pid}.npz")
+            got = np.load(tmp_path / f"n{n}_p{pid}{prefix}.npz")
             for s in range(STEPS):
                 expected = d.train.rows(np.arange(s * 8, s * 8 + 8))
                 mine = set()

@@ -32,9 +32,9 @@ DOWNWARD = {scheduler.K8S_JOBSET: "jobset-name", scheduler.K8S_REPLICATED_JOB: "
 # -- Kubernetes ------------------------------------------------------------------------
 
 
-def k8s_docs():
-    files = sorted((LAUNCH / "k8s").glob("*.yaml"))
-    assert files
+def k8s_docs(names=("jobset.yaml", "pvc.yaml", "service.yaml")):
+    files = [LAUNCH / "k8s" / name for name in names]
+    assert all(f.is_file() for f in files)
     docs = [d for f in files for d in yaml.safe_load_all(f.read_text()) if d is not None]
     return {d["kind"]: d for d in docs}, [(d["apiVersion"], d["kind"]) for d in docs]
 
@@ -338,3 +338,73 @@ def test_image_install_is_the_readmes_and_pins_the_base_images_jax():
     import jaxlib
     assert f"jax=={jax.__version__}" in out.split() and f"jaxlib=={jaxlib.__version__}" in out.split()
     assert all(line.lower().startswith("jax") and "==" in line for line in out.split())
+
+
+# -- one vendor, several nodes: launch/k8s/mesh.yaml and launch/slurm/mesh.sbatch -------
+
+
+def test_mesh_jobset_gives_every_pod_its_rank_in_one_world_at_the_declared_port():
+    docs, kinds = k8s_docs(("mesh.yaml",))
+    assert sorted(kinds) == [("jobset.x-k8s.io/v1alpha2", "JobSet"), ("v1", "Service")]
+    jobset, service = docs["JobSet"], docs["Service"]
+    (rj, job, pod, c), = pods(jobset)
+    cfg, line = manifest_config(c)
+    assert not cfg.hetero.islands and rj["name"] == scheduler.MESH
+    assert job["completionMode"] == "Indexed" and job["parallelism"] == job["completions"]
+    assert job["backoffLimit"] == 0 and jobset["spec"]["failurePolicy"]["maxRestarts"] >= 1
+    name, sub = jobset["metadata"]["name"], jobset["spec"]["network"]["subdomain"]
+    assert service["metadata"]["name"] == sub and service["spec"]["selector"] == {
+        "jobset.sigs.k8s.io/jobset-name": name}
+    gpus = c["resources"]["limits"]["nvidia.com/gpu"]
+    coordinators = set()
+    for index in range(job["completions"]):
+        env = pod_env(c, name, rj["name"], index, {})
+        assert int(env[scheduler.NUM_PROCESSES]) == job["completions"]
+        s = scheduler.mesh_world(env, cfg, platform="cuda")
+        assert (s.source, s.process_id, s.num_processes) == ("kubernetes", index, job["completions"])
+        coordinators.add(s.coordinator)
+    port = int(env[scheduler.PORT])
+    assert coordinators == {f"{name}-mesh-0-0.{sub}:{port}"}
+    assert port in {p["containerPort"] for p in c["ports"]} and port in {p["port"] for p in service["spec"]["ports"]}
+    # the mesh fills every pod's GPUs
+    assert cfg.mesh.fsdp * cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline == gpus * job["completions"]
+
+
+def test_mesh_sbatch_gives_every_task_its_rank_and_the_coordinator_of_one_world(tmp_path):
+    script = LAUNCH / "slurm" / "mesh.sbatch"
+    opts = dict(line.split()[1].partition("=")[::2] for line in script.read_text().splitlines()
+                if line.startswith("#SBATCH --"))
+    assert opts["--gpus-per-node"] and opts["--signal"].startswith("TERM@") and "--time" in opts
+    nodes, per_node = int(opts["--nodes"]), int(opts["--ntasks-per-node"])
+    # A fake srun: runs every task of an ordinary step (block distribution), each of which
+    # prints what hetero.scheduler derives from SLURM's step variables.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    probe = ("import json, os, sys; from hetjax import config; from hetjax.hetero import scheduler; "
+             "s = scheduler.mesh_world(os.environ, config.load(sys.argv[1]), platform='cuda'); "
+             "print(json.dumps([s.process_id, s.num_processes, s.coordinator, sys.argv[2:]]))")
+    (bin_dir / "srun").write_text(f"""#!/bin/bash
+while [[ "$1" == -* ]]; do shift; done  # srun's options
+cd "{REPO}"
+n=$((SLURM_NNODES * {per_node}))
+for ((r = 0; r < n; r++)); do
+  SLURM_PROCID=$r SLURMD_NODENAME=node$((r / {per_node} + 1)) SLURM_STEP_NUM_TASKS=$n \
+  SLURM_STEP_NODELIST="node[1-$SLURM_NNODES]" SLURM_STEP_TASKS_PER_NODE="{per_node}(x$SLURM_NNODES)" \
+    "{sys.executable}" -c "{probe}" "$5" "${{@:6}}"
+done
+""")
+    (bin_dir / "srun").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HETJAX_"))}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHONPATH=str(REPO), SLURM_JOB_ID="4242",
+               SLURM_SUBMIT_DIR=str(REPO), SLURM_NNODES=str(nodes), SLURM_NTASKS=str(nodes * per_node),
+               SLURM_JOB_NODELIST=f"node[1-{nodes}]", HETJAX_ISLAND="x", RUN_DIR=str(tmp_path / "run"))
+    r = subprocess.run(["bash", str(script), "--config.steps=7"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr + r.stdout
+    tasks = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
+    assert [t[:2] for t in tasks] == [[k, nodes * per_node] for k in range(nodes * per_node)]
+    assert len({t[2] for t in tasks}) == 1 and tasks[0][2].startswith("node1:")  # HETJAX_ISLAND did not win
+    assert tasks[0][3] == [f"--config.run_dir={tmp_path / 'run'}", "--config.steps=7"]
+    # Another environment refuses before anything starts.
+    r = subprocess.run(["bash", str(script)], env=dict(env, SLURM_HET_SIZE="2"), capture_output=True, text=True)
+    assert r.returncode == 2 and "hetjob.sbatch" in r.stderr

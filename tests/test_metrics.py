@@ -11,6 +11,8 @@ import sys
 import termios
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 STEPS = """
@@ -61,3 +63,77 @@ def test_the_bar_shows_the_loss_first_in_80_columns_and_log_lines_stay_above_it(
     assert [line.split(":")[0] for line in logged] == ["step 0", "step 10", "step 19", "step 20", "step 29"]
     assert logged[0].startswith("step 0: loss=5 grad_norm=1.234") and "eval_loss=2.5" in logged[2]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 31
+
+
+# -- FLOP counts, data wait and device memory (metrics.jsonl) ------------------------------
+
+
+def test_maxtext_flops_of_tiny_match_a_count_by_hand():
+    from hetjax import metrics
+    from hetjax.config import load
+    cfg = load("tiny")  # vocab 256, 2 layers, embed 64, mlp 192, 4 heads, 2 kv heads of 16, seq 64
+    q = o = 64 * 4 * 16
+    k = v = 64 * 2 * 16
+    mlp = 3 * 64 * 192  # gate, up, down
+    head = 64 * 256  # the output projection; the input embedding is a lookup
+    weights = 2 * (q + k + v + o + mlp) + head
+    # Attention per layer and sequence: QKᵀ and AV, S·S·H·d multiply-adds each (4·S²·H·d FLOPs),
+    # x3 for forward and backward, half of it under the causal mask; per token over 2 layers.
+    causal = 2 * (4 * 64 * 64 * 4 * 16) * 3 / 2 / 64
+    assert metrics.maxtext_flops_per_token(cfg) == 6 * weights + causal == 737_280
+    # Today's figure (PaLM): 6 × (every parameter but the lookup, norms included) + full attention.
+    params = weights + 2 * 2 * 64 + 64  # two norms per layer and the final one
+    assert metrics.model_flops_per_token(cfg, params + 256 * 64) == 6 * params + 2 * causal
+
+
+@pytest.mark.parametrize("change", [{}, {"tie_embeddings": True}, {"qkv_bias": True, "num_kv_heads": 1},
+                                    {"num_heads": 8, "num_kv_heads": 8, "head_dim": 8, "num_layers": 3}])
+def test_maxtext_weight_flops_are_six_per_weight_of_every_matmul_of_the_model(change):
+    # Independent of the formula: the model's own matrices (the stacked layers' weights but
+    # their norms' scales and q/k/v biases, the output head, the embedding when it is the head).
+    import dataclasses
+    import math
+    from flax import nnx
+    from hetjax import metrics, state as state_lib
+    from hetjax.config import load
+    cfg = load("tiny")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **change))
+    model = nnx.eval_shape(lambda: state_lib.make_model(cfg.model, cfg.seed))
+    shapes = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(model))}
+    matrices = sum(math.prod(s) for p, s in shapes.items()
+                   if len(s) >= 3 and "bias" not in p[-1] or p in (("unembed_DV",),) or (p == ("embed_VD",) and cfg.model.tie_embeddings))
+    m = cfg.model
+    causal = 6 * m.num_layers * m.num_heads * m.head_dim * cfg.seq_len
+    assert metrics.maxtext_flops_per_token(cfg) == 6 * matrices + causal
+
+
+def test_peak_device_memory_is_the_largest_device_peak_or_absent_where_not_reported():
+    import jax
+    from hetjax import metrics
+
+    class Device:  # what jax.Device.memory_stats() returns on a GPU
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+    assert metrics.peak_memory_gib([Device({"peak_bytes_in_use": 2**30}), Device({"peak_bytes_in_use": 3 << 29})]) == 1.5
+    assert metrics.peak_memory_gib([Device(None)]) is None
+    assert jax.devices()[0].memory_stats() is None  # CPU reports none: metrics.jsonl has no peak_memory_gib
+
+
+def test_a_run_logs_its_data_wait_both_mfus_and_no_memory_peak_on_cpu(tmp_path_factory):
+    import json
+    from hetjax import metrics
+    from hetjax.config import load
+    from tests.test_profiler import slow_traced_run  # one run, read by both tests
+    run_dir = slow_traced_run(tmp_path_factory)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    cfg = load("tiny")
+    ratio = metrics.maxtext_flops_per_token(cfg) / metrics.model_flops_per_token(cfg, 131_392)
+    assert len(rows) == 5
+    for row in rows:
+        # Every batch took 0.1 s; while the device still runs the step before, the wait hides behind it.
+        assert 0.1 <= row["data_wait_time"] < 0.1 + row["step_time"] + 1.0, row
+        assert row["mfu_maxtext"] == pytest.approx(row["mfu"] * ratio, rel=1e-12)
+        assert "peak_memory_gib" not in row

@@ -161,13 +161,13 @@ def _corrupting_proxy(upstream: str, flip_at: int) -> str:
 
 
 @pytest.mark.parametrize("rows,chunk_bytes", [(64, 4096), (512, 4096), (2048, 256 << 10)],
-                         ids=["one-batch-frame", "streamed-chunks", "chunks-summed-as-they-go"])
+                         ids=["one-batch-frame", "small-chunks-batched", "large-chunks"])
 @pytest.mark.parametrize("checksum", CHECKSUMS)
 def test_corrupted_chunk_is_detected(checksum, rows, chunk_bytes):
     a, b = endpoints("host", streams=1, chunk_bytes=chunk_bytes, timeout_s=3.0, checksum=checksum)
     sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P())
-    # 16 KiB goes as one frame, 128 KiB in small chunks (sum in each header), 512 KiB in
-    # chunks larger than wire.SMALL (sum after each)
+    # 16 KiB goes as one frame, 128 KiB in small chunks written together, 512 KiB in chunks
+    # larger than wire.SMALL (a write each)
     x = random_array((rows, 64), "float32", 1, sh)
     r = b.recv("t", jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), sh)
     # 64 handshake bytes, then the header(s) (~300 bytes a chunk), then payload: byte

@@ -1,5 +1,11 @@
 """Training data: grain pipelines over sources, tokenizers, packing, the synthetic language."""
 
-from hetjax.data.pipeline import Data, DataIterator, build, local_rows, to_global
-
 __all__ = ["Data", "DataIterator", "build", "local_rows", "to_global"]
+
+
+def __getattr__(name: str):
+    # Lazy: prepare's worker processes import hetjax.data.* without jax and grain.
+    if name in __all__:
+        from hetjax.data import pipeline
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'hetjax.data' has no attribute {name!r}")

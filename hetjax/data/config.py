@@ -19,7 +19,12 @@ class DataConfig:
     eval_path: str = ""  # held-out data; empty: hold out eval_fraction of the documents
     eval_fraction: float = 0.01
     text_field: str = "text"  # jsonl: the field that holds a document's text
-    tokenizer: str = "byte"  # byte | path to a tokenizer.json | path to a SentencePiece .model
+    tokenizer: str = "byte"  # byte | tokenizer.json | a model directory | SentencePiece or tiktoken model
+    bos: str = "auto"  # auto (the tokenizer's convention) | true | false: open each document with BOS
+    eos: str = "auto"  # auto | true | false: end each document with EOS (Llama 3: <|end_of_text|>)
+    # Named weighted sources instead of source/path: ((name, weight, source, path), ...), e.g.
+    # (("web", 0.8, "array_record", "data/web"), ("code", 0.2, "array_record", "data/code")).
+    mixture: tuple = ()
     skip_bad_records: bool = False  # skip (and count) bad lines instead of stopping
     index_dir: str = ""  # where text/jsonl indexes are cached; empty: next to the data
     shuffle: bool = True  # a seeded permutation of the documents per epoch
@@ -41,7 +46,12 @@ def validate_data(cfg) -> None:
             raise ConfigError(f"config.data.{key}={getattr(d, key)}: must be positive")
     if d.source not in DATA_SOURCES:
         raise ConfigError(f"config.data.source={d.source!r}: choose one of {DATA_SOURCES}")
-    if d.source != "synthetic" and not d.path:
+    from hetjax.data import mixture
+    mixture.parse(d.mixture)
+    for key in ("bos", "eos"):
+        if getattr(d, key) not in ("auto", "true", "false"):
+            raise ConfigError(f"config.data.{key}={getattr(d, key)!r}: choose auto, true or false")
+    if d.source != "synthetic" and not d.path and not d.mixture:
         raise ConfigError(f"config.data.source={d.source!r} needs config.data.path (files, globs "
                           f"or a prepared directory)")
     if d.source == "synthetic" and d.branching >= cfg.model.vocab_size:

@@ -1,8 +1,9 @@
 """Packing documents into fixed-length rows, with random access to any row.
 
 Epoch e lays the documents of a source end to end in the order of a seeded
-permutation (`numpy` PCG64 keyed by (seed, e)), each as BOS followed by its
-tokens; epochs follow each other into one endless stream. Global row g is the
+permutation (`numpy` PCG64 keyed by (seed, e)), each as BOS, its tokens, then EOS
+(either left out where the tokenizer's convention or config.data.bos/eos says so);
+epochs follow each other into one endless stream. Global row g is the
 stream's tokens [g*T, g*T + T + 1): inputs are the first T, targets the last T, so
 consecutive rows share one token and every token is an input exactly once and a
 target exactly once. Nothing is padded or dropped.
@@ -16,7 +17,7 @@ Within a row, segment ids count documents from 1 (a row that starts inside a
 document gives that part segment 1) and positions count tokens from the start of
 each segment. The model's attention stops at segment boundaries, and a target that
 opens the next document (its BOS) is not scored: it is not predictable from the
-previous document.
+previous document. An EOS is scored: the model learns where a document ends.
 """
 
 from __future__ import annotations
@@ -31,16 +32,21 @@ class PackedRows:
     """Rows of length `seq_len` cut from the shuffled concatenation of `source`.
 
     `source[i]` returns document i's tokens (int32, no BOS); `lengths[i]` is its
-    token count (known without reading it); `bos_id` starts every document.
+    token count (known without reading it); `bos_id` starts every document and
+    `eos_id` ends it (None: left out; at least one of them separates documents).
     """
 
-    def __init__(self, source, lengths: np.ndarray, seq_len: int, *, seed: int, bos_id: int,
-                 shuffle: bool = True, split: int = 0):
+    def __init__(self, source, lengths: np.ndarray, seq_len: int, *, seed: int, bos_id: int | None,
+                 shuffle: bool = True, split: int = 0, eos_id: int | None = None):
         self.source, self.seq_len, self.seed = source, seq_len, seed
-        self.bos_id, self.shuffle, self.split = bos_id, shuffle, split
+        self.bos_id, self.eos_id, self.shuffle, self.split = bos_id, eos_id, shuffle, split
+        self.head = np.asarray([] if bos_id is None else [bos_id], np.int32)
+        self.tail = np.asarray([] if eos_id is None else [eos_id], np.int32)
+        self.extra = len(self.head) + len(self.tail)
+        assert self.extra, "documents need a separator"
         self.lengths = np.asarray(lengths, np.int64)
         assert len(self.lengths) and (self.lengths >= 0).all()
-        self.epoch_tokens = int(self.lengths.sum() + len(self.lengths))  # + one BOS each
+        self.epoch_tokens = int(self.lengths.sum() + self.extra * len(self.lengths))
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def __getstate__(self):  # grain workers rebuild epoch indexes themselves
@@ -55,17 +61,17 @@ class PackedRows:
                 order = np.arange(len(self.lengths))
             if len(self._epochs) >= 2:  # rows of a step touch at most two epochs
                 self._epochs.pop(min(self._epochs))
-            self._epochs[e] = (order, np.cumsum(self.lengths[order] + 1))
+            self._epochs[e] = (order, np.cumsum(self.lengths[order] + self.extra))
         return self._epochs[e]
 
     def _pieces(self, start: int, stop: int):
-        """(document id, first, last) token ranges (BOS at 0) covering stream [start, stop)."""
+        """(document id, first, last) token ranges (its first token at 0) covering stream [start, stop)."""
         pos = start
         while pos < stop:
             e, within = divmod(pos, self.epoch_tokens)
             order, ends = self.epoch(e)
             k = int(np.searchsorted(ends, within, side="right"))
-            doc_start = int(ends[k] - self.lengths[order[k]] - 1)
+            doc_start = int(ends[k] - self.lengths[order[k]] - self.extra)
             take = min(stop - pos, int(ends[k]) - within)
             yield int(order[k]), within - doc_start, within - doc_start + take
             pos += take
@@ -74,15 +80,15 @@ class PackedRows:
         """Global rows `row_ids` as arrays of shape (len(row_ids), seq_len)."""
         T = self.seq_len
         tokens = np.empty((len(row_ids), T + 1), np.int32)
-        starts = np.zeros((len(row_ids), T + 1), bool)  # token is a document's BOS
+        starts = np.zeros((len(row_ids), T + 1), bool)  # token opens a document
         docs: dict[int, np.ndarray] = {}  # neighbouring rows share documents
         for i, g in enumerate(row_ids):
             col = 0
             for doc, a, b in self._pieces(int(g) * T, int(g) * T + T + 1):
                 if doc not in docs:
-                    docs[doc] = np.concatenate([[self.bos_id], self.source[doc]]).astype(np.int32)
-                    if len(docs[doc]) != self.lengths[doc] + 1:
-                        raise ValueError(f"document {doc} has {len(docs[doc]) - 1} tokens but its "
+                    docs[doc] = np.concatenate([self.head, self.source[doc], self.tail]).astype(np.int32)
+                    if len(docs[doc]) != self.lengths[doc] + self.extra:
+                        raise ValueError(f"document {doc} has {len(docs[doc]) - self.extra} tokens but its "
                                          f"index says {self.lengths[doc]}: the data changed after "
                                          f"its index was built; delete the index to rebuild it")
                 tokens[i, col:col + b - a] = docs[doc][a:b]

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from hetjax.errors import ConfigError
-from hetjax.data import packing, sources, synthetic, tokenizers
+from hetjax.data import mixture, packing, sources, synthetic, tokenizers
 
 
 def local_rows(shardings: dict, batch_size: int) -> np.ndarray:
@@ -155,6 +155,8 @@ def build(cfg) -> Data:
     """Opens and checks the configured source (reads indexes, no documents)."""
     d = cfg.data
     floor = None
+    if d.mixture:
+        return _build_mixture(cfg)
     if d.source == "synthetic":
         lang = synthetic.SyntheticLanguage.from_config(cfg)
         train, held_out = lang.source("train"), lang.source("eval")
@@ -162,29 +164,64 @@ def build(cfg) -> Data:
         fingerprint = lang.describe()
     else:
         tokenizer = tokenizers.load(d.tokenizer)  # once: train and eval share it
-        train = _open(d, tokenizer, d.path, "config.data.path")
-        if d.eval_path:
-            held_out = _open(d, tokenizer, d.eval_path, "config.data.eval_path")
-        else:
-            train, held_out = _split(train, d.eval_fraction, d.seed)
-        tokenizers.check_vocab(train, cfg.model.vocab_size, f"the data of config.data.path={d.path!r}")
-        fingerprint = train.fingerprint
+        train, held_out, fingerprint = _open_split(cfg, tokenizer, d.source, d.path, "config.data.path")
         description = f"{d.source} {d.path} ({len(train):,} train / {len(held_out):,} eval documents)"
-    key = json.dumps([fingerprint, d.seed, d.shuffle, cfg.seq_len, cfg.batch_size])
-    packed = [packing.PackedRows(src, src.lengths, cfg.seq_len, seed=d.seed, bos_id=src.bos_id,
+    bos, eos = (train.bos_id, None) if d.source == "synthetic" else _specials(train, d)
+    # the key of a run without EOS is what it was before EOS existed (saved states stay valid)
+    key = json.dumps([fingerprint, d.seed, d.shuffle, cfg.seq_len, cfg.batch_size]
+                     + ([] if (bos, eos) == (train.bos_id, None) else [bos, eos]))
+    packed = [packing.PackedRows(src, src.lengths, cfg.seq_len, seed=d.seed, bos_id=bos, eos_id=eos,
                                  shuffle=d.shuffle, split=i) for i, src in enumerate((train, held_out))]
     return Data(packed[0], packed[1], description, hashlib.sha256(key.encode()).hexdigest()[:16],
                 floor, cfg.batch_size, d.num_workers)
 
 
-def _open(d, tokenizer, path: str, what: str):
-    if d.source == "array_record":
+def _specials(src, d):
+    """(BOS, EOS) per config.data.bos/eos and the convention of the tokenizer that made `src`."""
+    return tokenizers.specials(getattr(src, "conventions", src), d.bos, d.eos)
+
+
+def _open_split(cfg, tokenizer, source: str, path: str, what: str):
+    """(train, eval, fingerprint); a mixture's sources hold out config.data.eval_fraction."""
+    d = cfg.data
+    train = _open(d, tokenizer, source, path, what)
+    if d.eval_path and what == "config.data.path":
+        held_out = _open(d, tokenizer, source, d.eval_path, "config.data.eval_path")
+    else:
+        train, held_out = _split(train, d.eval_fraction, d.seed)
+    tokenizers.check_vocab(train, cfg.model.vocab_size, f"the data of {what}={path!r}")
+    return train, held_out, train.fingerprint
+
+
+def _build_mixture(cfg) -> Data:
+    """config.data.mixture: each named source packed on its own, rows mixed by mixture.choose."""
+    d = cfg.data
+    tokenizer = tokenizers.load(d.tokenizer)
+    entries = mixture.parse(d.mixture)
+    parts, keys, described = ([], []), [], []
+    for name, weight, source, path in entries:
+        train, held_out, fp = _open_split(cfg, tokenizer, source, path, f"config.data.mixture[{name!r}]")
+        bos, eos = _specials(train, d)
+        for i, src in enumerate((train, held_out)):
+            parts[i].append(packing.PackedRows(src, src.lengths, cfg.seq_len, seed=d.seed, bos_id=bos,
+                                               eos_id=eos, shuffle=d.shuffle, split=i))
+        keys.append([name, weight, fp, bos, eos])
+        described.append(f"{name} {weight:g} ({source} {path}, {len(train):,} documents)")
+    weights = [e[1] for e in entries]
+    key = json.dumps(["mixture", keys, d.seed, d.shuffle, cfg.seq_len, cfg.batch_size])
+    train, held_out = (mixture.MixedRows(p, weights, d.seed, i) for i, p in enumerate(parts))
+    return Data(train, held_out, "mixture: " + ", ".join(described),
+                hashlib.sha256(key.encode()).hexdigest()[:16], None, cfg.batch_size, d.num_workers)
+
+
+def _open(d, tokenizer, source: str, path: str, what: str):
+    if source == "array_record":
         src = sources.ArrayRecordSource(path, what)
         if src.tokenizer_fingerprint != tokenizer.fingerprint:
             raise ConfigError(f"{what}={path!r} was prepared with tokenizer {src.tokenizer_fingerprint} "
                               f"but config.data.tokenizer={d.tokenizer!r}; use the same tokenizer")
         return src
-    return sources.TextSource(path, d.source, tokenizer, field=d.text_field,
+    return sources.TextSource(path, source, tokenizer, field=d.text_field,
                               skip_bad=d.skip_bad_records, index_dir=d.index_dir, what=what)
 
 

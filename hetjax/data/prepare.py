@@ -1,74 +1,170 @@
-"""Tokenizes text or JSONL files into ArrayRecord shards, grain's random-access format.
+"""Tokenizes a corpus once into ArrayRecord shards, on every core, resumably.
 
-    python -m hetjax.data.prepare --input 'corpus/*.jsonl' --output data/corpus \\
-        [--format jsonl|text] [--field text] [--tokenizer byte|tokenizer.json|sp.model] \\
-        [--docs_per_shard 100000] [--skip_bad]
+    python -m hetjax.data.prepare --input 'corpus/*.jsonl.zst' --output data/corpus \\
+        [--format jsonl|text] [--field text] [--tokenizer byte|tokenizer.json|DIR|tokenizer.model] \\
+        [--processes N] [--docs_per_shard 100000] [--skip_bad]
 
-Writes DIR/shard-00000.array_record ... (one record per document: its token ids
-as little-endian int32, no BOS), DIR/lengths.npy (every document's token count, so
-the packer's index needs no re-tokenization) and DIR/meta.json. Train on it with
-`--config.data.source=array_record --config.data.path=DIR`.
+Inputs (comma-separated paths or globs): text (one document a line) and JSONL, plain,
+gzip or zstd; Parquet files (the --field column, read by row groups); a directory
+saved by `datasets`' save_to_disk. The inputs are cut into units (hetjax/data/
+readers.py) that N processes (default: every core) tokenize in batches, each unit
+into its own shards DIR/shard-UUUUU-KKK.array_record (one record per document: its
+token ids as little-endian int32, no BOS/EOS). A finished unit is recorded in
+DIR/.progress, so a run that was interrupted continues where it stopped. Then
+DIR/lengths.npy (every document's token count) and the manifest DIR/meta.json
+(source files with sizes and SHA-256, the tokenizer's hash and BOS/EOS, token
+counts). Train on it with `--config.data.source=array_record --config.data.path=DIR`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.pool import ThreadPool
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from hetjax import cli as cli_lib  # `cli` below is the console entry point
-from hetjax.errors import ConfigError
-from hetjax.data import sources, tokenizers
+from hetjax.data import readers, tokenizers
+from hetjax.errors import ConfigError, DataError
 
 OPTIONS = {"--input": None, "--output": None, "--format": "", "--field": "text",
-           "--tokenizer": "byte", "--docs_per_shard": "100000"}
+           "--tokenizer": "byte", "--docs_per_shard": "100000", "--processes": "0"}
+FORMATS = ("text", "jsonl")
+
+
+def _format(path: Path) -> str:
+    name = path.name.removesuffix(".gz").removesuffix(".zst").removesuffix(".zstd")
+    return "jsonl" if name.endswith((".jsonl", ".json")) else "text"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+_TOK = None
+
+
+def _init_worker(tok) -> None:
+    global _TOK
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per process: N processes use N
+    _TOK = tok
+
+
+def _prepare_unit(job) -> dict:
+    """Tokenizes unit i into its shards; records it as done last (a crash redoes it)."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    i, unit, out, fmt, field, skip_bad, per_shard = job
+    out, skipped, lengths, shards = Path(out), [], [], []
+    digest, writer = hashlib.sha256(), None
+    for texts in readers.read(unit, fmt, field, skip_bad, skipped):
+        for ids in _TOK.encode_batch(texts):
+            if writer is None or len(lengths) % per_shard == 0 and lengths:
+                if writer is not None:
+                    writer.close()
+                shards.append(f"shard-{i:05d}-{len(shards):03d}.array_record")
+                writer = ArrayRecordWriter(str(out / shards[-1]), "group_size:1")
+            raw = ids.astype("<i4").tobytes()
+            writer.write(raw)
+            digest.update(raw)
+            lengths.append(len(ids))
+    if writer is not None:
+        writer.close()
+    np.save(out / ".progress" / f"unit-{i:05d}.npy", np.asarray(lengths, np.int64))
+    record = {"shards": shards, "documents": len(lengths), "tokens": int(sum(lengths)),
+              "digest": digest.hexdigest(), "skipped": len(skipped), "examples": skipped[:5]}
+    _write_atomic(out / ".progress" / f"unit-{i:05d}.json", json.dumps(record))
+    return {"i": i, **record}
 
 
 def prepare(input: str, output: str, *, fmt: str = "", field: str = "text", tokenizer: str = "byte",
-            docs_per_shard: int = 100_000, skip_bad: bool = False, progress: bool = True) -> dict:
-    """Writes the shards, lengths.npy and meta.json; returns the metadata."""
-    from array_record.python.array_record_module import ArrayRecordWriter
+            docs_per_shard: int = 100_000, skip_bad: bool = False, progress: bool = True,
+            processes: int = 0, chunk_bytes: int = 64 << 20) -> dict:
+    """Writes the shards, lengths.npy and meta.json; returns the manifest."""
     from tqdm import tqdm
 
-    files = sources.expand(input, "--input")
-    fmt = fmt or ("jsonl" if files[0].suffix in (".jsonl", ".json") else "text")
-    if fmt not in sources.FORMATS:
-        raise ConfigError(f"--format={fmt!r}: choose one of {sources.FORMATS}")
+    files = readers.expand(input, "--input")
+    fmt = fmt or _format(files[0])
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format={fmt!r}: choose one of {FORMATS}")
     tok = tokenizers.load(tokenizer)
+    units = readers.units(files, chunk_bytes)
+    readers.check_columns(files, field)  # before any process starts
     out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    skipped: list = []
-    lengths, shards, writer, digest = [], [], None, hashlib.sha256()
-    total = sum(f.stat().st_size for f in files)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
-    for fi, offset, size, text in sources.iter_documents(files, fmt, field, skip_bad, skipped):
-        if writer is None or len(lengths) % docs_per_shard == 0 and lengths:
-            if writer is not None:
-                writer.close()
-            shards.append(f"shard-{len(shards):05d}.array_record")
-            writer = ArrayRecordWriter(str(out / shards[-1]), "group_size:1")
-        ids = tok.encode(text).astype("<i4").tobytes()
-        writer.write(ids)
-        digest.update(ids)
-        lengths.append(len(ids) // 4)
-        bar.update(size + 1)
+    (out / ".progress").mkdir(parents=True, exist_ok=True)
+    stats = [{"path": str(f), "bytes": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files]
+    plan = json.dumps([stats, [list(vars(u).values()) for u in units], fmt, field, tok.fingerprint,
+                       docs_per_shard, skip_bad])
+    plan_file = out / ".progress" / "plan.json"
+    if plan_file.is_file() and plan_file.read_text() != plan:
+        raise ConfigError(f"--output={output!r} holds a preparation of other inputs or options; "
+                          f"give a new directory, or delete {out} to start again")
+    _write_atomic(plan_file, plan)
+    done = {i: json.loads((out / ".progress" / f"unit-{i:05d}.json").read_text())
+            for i in range(len(units)) if (out / ".progress" / f"unit-{i:05d}.json").is_file()}
+    todo = [(i, u, str(out), fmt, field, skip_bad, docs_per_shard) for i, u in enumerate(units) if i not in done]
+    if done:
+        print(f"resuming: {len(done)} of {len(units)} units already done", flush=True)
+    processes = min(processes or os.cpu_count() or 1, max(len(todo), 1))
+    size = {i: (u.stop - u.start if u.kind == "plain" else Path(u.path).stat().st_size) for i, u in enumerate(units)}
+    bar = tqdm(total=sum(size.values()), initial=sum(size[i] for i in done), unit="B", unit_scale=True,
+               desc=f"tokenizing ({processes} processes)", disable=not progress)
+    if todo:
+        # spawn: no copy of a parent's threads (jax's, tokenizers'); a process that dies
+        # breaks the pool with an error (multiprocessing.Pool would wait for it forever)
+        with ProcessPoolExecutor(processes, multiprocessing.get_context("spawn"), _init_worker, (tok,)) as pool:
+            try:
+                for future in as_completed([pool.submit(_prepare_unit, job) for job in todo]):
+                    record = future.result()
+                    i = record.pop("i")
+                    done[i] = record
+                    bar.update(size[i])
+            except BrokenProcessPool as e:
+                raise DataError(f"a prepare process died ({e}); run the same command again: the "
+                                f"{len(done)} finished units are kept") from None
+            except BaseException:  # a bad record or Ctrl-C: stop, do not finish the queue
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
     bar.close()
-    if writer is not None:
-        writer.close()
-    if not lengths:
-        raise sources.DataError(f"--input={input!r}: no documents (every line blank or skipped)")
-    np.save(out / "lengths.npy", np.asarray(lengths, np.int64))
-    meta = {"shards": shards, "num_documents": len(lengths), "tokens": int(sum(lengths)),
-            "bos_id": tok.bos_id, "vocab_size": tok.vocab_size, "tokenizer": tok.fingerprint,
-            "skipped": len(skipped), "digest": digest.hexdigest()[:20], "format": fmt}
-    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    for path, line, reason in skipped[:5]:
+    order = [done[i] for i in range(len(units))]
+    lengths = np.concatenate([np.load(out / ".progress" / f"unit-{i:05d}.npy") for i in range(len(units))])
+    if not len(lengths):
+        raise DataError(f"--input={input!r}: no documents (every line blank or skipped)")
+    np.save(out / "lengths.npy", lengths)
+    digest = hashlib.sha256("".join(r["digest"] for r in order).encode()).hexdigest()
+    tok_file = None if tokenizer == "byte" else str(tokenizers.resolve(tokenizer))
+    with ThreadPool(processes) as pool:  # hashlib lets go of the GIL
+        hashes = pool.map(_sha256, [s["path"] for s in stats])
+    meta = {"shards": [s for r in order for s in r["shards"]], "num_documents": int(len(lengths)),
+            "tokens": int(lengths.sum()), "bos_id": tok.bos_id, "eos_id": tok.eos_id,
+            "add_bos": tok.add_bos, "add_eos": tok.add_eos, "vocab_size": tok.vocab_size,
+            "tokenizer": tok.fingerprint, "tokenizer_file": tok_file,
+            "tokenizer_sha256": _sha256(tok_file) if tok_file else None,
+            "sources": [{"path": s["path"], "bytes": s["bytes"], "sha256": h} for s, h in zip(stats, hashes)],
+            "units": len(units), "skipped": sum(r["skipped"] for r in order), "digest": digest[:20],
+            "format": fmt, "field": field}
+    _write_atomic(out / "meta.json", json.dumps(meta, indent=1) + "\n")
+    for path, line, reason in [e for r in order for e in r["examples"]][:5]:
         print(f"skipped {path}:{line}: {reason}")
-    print(f"wrote {len(lengths):,} documents, {meta['tokens']:,} tokens in {len(shards)} shard(s) "
-          f"to {out}" + (f"; skipped {len(skipped)} bad line(s)" if skipped else ""))
+    print(f"wrote {meta['num_documents']:,} documents, {meta['tokens']:,} tokens in {len(meta['shards'])} "
+          f"shard(s) to {out}" + (f"; skipped {meta['skipped']} bad record(s)" if meta["skipped"] else ""))
     return meta
 
 
@@ -90,15 +186,17 @@ def main(argv: list[str]) -> int:
     for key in ("--input", "--output"):
         if not opts[key]:
             raise ConfigError(f"{key} is required, e.g. --input 'corpus/*.jsonl' --output data/corpus")
-    try:
-        per_shard = int(opts["--docs_per_shard"])
-    except ValueError:
-        per_shard = 0
-    if per_shard <= 0:
-        raise ConfigError(f"--docs_per_shard={opts['--docs_per_shard']!r}: give a positive integer")
+    numbers = {}
+    for key, least in (("--docs_per_shard", 1), ("--processes", 0)):
+        try:
+            numbers[key] = int(opts[key])
+        except ValueError:
+            numbers[key] = -1
+        if numbers[key] < least:
+            raise ConfigError(f"{key}={opts[key]!r}: give an integer >= {least}")
     prepare(opts["--input"], opts["--output"], fmt=opts["--format"], field=opts["--field"],
-            tokenizer=opts["--tokenizer"], docs_per_shard=per_shard, skip_bad=skip_bad,
-            progress=sys.stderr.isatty())
+            tokenizer=opts["--tokenizer"], docs_per_shard=numbers["--docs_per_shard"], skip_bad=skip_bad,
+            progress=sys.stderr.isatty(), processes=numbers["--processes"])
     return 0
 
 

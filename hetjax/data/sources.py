@@ -99,8 +99,16 @@ class TextSource:
     def __init__(self, patterns: str, fmt: str, tokenizer, *, field: str = "text",
                  skip_bad: bool = False, index_dir: str = "", what: str = "config.data.path"):
         self.files = expand(patterns, what)
+        for f in self.files:
+            with open(f, "rb") as fh:
+                head = fh.read(4)
+            if head[:2] == b"\x1f\x8b" or head in (b"\x28\xb5\x2f\xfd", b"PAR1"):
+                raise DataError(f"{f}: a compressed or Parquet file is read by prepare, not at start-up: "
+                                f"python -m hetjax.data.prepare --input {patterns!r} --output DIR, then "
+                                f"--config.data.source=array_record --config.data.path=DIR")
         self.fmt, self.field, self.tokenizer = fmt, field, tokenizer
         self.bos_id, self.vocab_size = tokenizer.bos_id, tokenizer.vocab_size
+        self.conventions = tokenizer  # its BOS/EOS (tokenizers.specials)
         stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in self.files]
         key = hashlib.sha256(json.dumps([stats, fmt, field, skip_bad, tokenizer.fingerprint]).encode()).hexdigest()[:20]
         self.fingerprint = f"{fmt}:{key}"
@@ -120,8 +128,19 @@ class TextSource:
 
     def _build_index(self, skip_bad: bool) -> dict[str, np.ndarray]:
         skipped: list = []
-        rows = [(fi, off, size, len(self.tokenizer.encode(text)))
-                for fi, off, size, text in iter_documents(self.files, self.fmt, self.field, skip_bad, skipped)]
+        rows, pending = [], []
+
+        def flush():  # tokenizers encode a batch faster than its documents one by one
+            counts = [len(ids) for ids in self.tokenizer.encode_batch([p[3] for p in pending])]
+            rows.extend((fi, off, size, n) for (fi, off, size, _), n in zip(pending, counts))
+            pending.clear()
+
+        for doc in iter_documents(self.files, self.fmt, self.field, skip_bad, skipped):
+            pending.append(doc)
+            if len(pending) == 1024:
+                flush()
+        if pending:
+            flush()
         for path, line, reason in skipped[:5]:
             print(f"skipped {path}:{line}: {reason}", flush=True)
         if skipped:
@@ -176,8 +195,10 @@ class ArrayRecordSource:
         for s in shards:
             if not s.is_file():
                 raise DataError(f"{s}: missing shard listed in {meta_path}")
-        self.lengths = np.load(root / "lengths.npy")
+        self.lengths = np.load(root / "lengths.npy", mmap_mode="r")  # start-up reads no tokens
         self.bos_id, self.vocab_size = meta["bos_id"], meta["vocab_size"]
+        # the tokenizer's BOS/EOS convention, recorded by prepare (older manifests: BOS only)
+        self.eos_id, self.add_bos, self.add_eos = meta.get("eos_id"), meta.get("add_bos", True), meta.get("add_eos", False)
         self.tokenizer_fingerprint = meta["tokenizer"]
         self.fingerprint = f"array_record:{meta['digest']}"
         self._records = grain.sources.ArrayRecordDataSource([str(s) for s in shards])
@@ -199,6 +220,7 @@ class Subset:
         self.source, self.ids = source, ids
         self.lengths = source.lengths[ids]
         self.bos_id, self.vocab_size = source.bos_id, source.vocab_size
+        self.conventions = getattr(source, "conventions", source)
 
     def __len__(self) -> int:
         return len(self.ids)

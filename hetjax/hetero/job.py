@@ -79,6 +79,7 @@ def start(cfg) -> tuple[str, object]:
     line = _start_backend(dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, platform=platform)),
                           platform == "cpu")
     runtime.initialize(settings, spec, cfg.hetero.timeout_s)
+    checkpoint.barriers_without_collectives()  # an island of several processes saves mid-run
     where = f"island {settings.island} rank {settings.process_id}/{spec.num_processes} (from {settings.source})"
     stand_in = f" standing in for {spec.platform}" if settings.stand_in else ""
     return f"{line}; {where} on {platform}{stand_in}", settings

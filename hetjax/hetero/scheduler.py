@@ -14,6 +14,12 @@ coordinator and transfer address:
     kubernetes a JobSet with one replicated job per island, named after it
                (launch/k8s/jobset.yaml); pods find each other through its headless service.
 
+A one-mesh job (no islands) over several processes is read the same way, as one island
+named `mesh` (`mesh_world`): HETJAX_ISLAND=mesh with HETJAX_NUM_PROCESSES (launch.local
+--processes N), a JobSet with one replicated job `mesh` (launch/k8s/mesh.yaml) and
+HETJAX_NUM_PROCESSES, or an ordinary SLURM step of several tasks (`srun -n N`,
+launch/slurm/mesh.sbatch).
+
 Ports: on each host, the job's processes take consecutive blocks of 1 + num_links ports
 from HETJAX_PORT on, in job order (islands in config order, then rank): a block's first
 port is its island's coordinator when the process is rank 0, the next ones are its
@@ -79,6 +85,63 @@ def from_env(environ, cfg: Config) -> runtime.ProcessSettings | None:
     """
     placement = placement_from_env(environ, cfg)
     return None if placement is None else settings(placement, cfg)
+
+
+MESH = "mesh"  # the one island of a one-mesh job's world
+NUM_PROCESSES = "HETJAX_NUM_PROCESSES"  # the world's size (hetjax and kubernetes sources)
+
+
+def mesh_world(environ, cfg: Config, devices_per_process: int = 1,
+               platform: str = "cpu") -> runtime.ProcessSettings | None:
+    """This process's place in a one-mesh job (no islands) of several processes: its
+    settings as rank r of one island named `mesh`; None for a job of one process."""
+    assert not cfg.hetero.islands, "islands jobs read from_env"
+    if ISLAND in environ or K8S_JOBSET in environ:
+        text = environ.get(NUM_PROCESSES, "")
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError(f"{NUM_PROCESSES}={text!r}: give the number of processes of this one-mesh job "
+                              f"(launch.local --processes N and launch/k8s/mesh.yaml set it)")
+        count = int(text)
+    elif "SLURM_STEP_NUM_TASKS" in environ and "SLURM_HET_SIZE" not in environ:
+        count = int(environ["SLURM_STEP_NUM_TASKS"]) if environ["SLURM_STEP_NUM_TASKS"].isdigit() else 0
+        if count < 2:
+            return None  # srun -n 1, or a batch script's own step: one process
+        return settings(_from_slurm_step(environ, cfg, count), one_island(cfg, count, devices_per_process, platform))
+    else:
+        return None
+    if count == 1:
+        return None
+    one = one_island(cfg, count, devices_per_process, platform)
+    return settings(placement_from_env(environ, one), one)
+
+
+def one_island(cfg: Config, num_processes: int, devices_per_process: int, platform: str = "cpu") -> Config:
+    """cfg seen as one island `mesh` of num_processes processes (its ports, its coordinator)."""
+    from hetjax.hetero.config import IslandConfig
+    island = IslandConfig(name=MESH, platform=platform,
+                          num_processes=num_processes, devices_per_process=devices_per_process, mesh=cfg.mesh)
+    return dataclasses.replace(cfg, hetero=dataclasses.replace(cfg.hetero, islands=(island,)))
+
+
+def _from_slurm_step(environ, cfg: Config, count: int) -> Placement:
+    # An ordinary step (srun -n N): its own node list and tasks per node, block distribution.
+    procid = environ.get("SLURM_PROCID", "")
+    nodes = expand_hostlist(_need(environ, "SLURM_STEP_NODELIST", "SLURM step"))
+    counts = expand_counts(_need(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM step"))
+    ranks = [node for node, n in zip(nodes, counts) for _ in range(n)]
+    if len(counts) != len(nodes) or len(ranks) != count or not procid.isdigit() or int(procid) >= count:
+        raise ConfigError(f"SLURM step: SLURM_STEP_NODELIST={environ['SLURM_STEP_NODELIST']!r}, "
+                          f"SLURM_STEP_TASKS_PER_NODE={environ['SLURM_STEP_TASKS_PER_NODE']!r}, "
+                          f"SLURM_STEP_NUM_TASKS={count} and SLURM_PROCID={procid!r} disagree; start the "
+                          f"processes with srun --distribution=block (launch/slurm/mesh.sbatch)")
+    node = environ.get("SLURMD_NODENAME")
+    if node and ranks[int(procid)] != node:
+        raise ConfigError(f"SLURM_PROCID={procid} belongs on {ranks[int(procid)]!r} under the block distribution, "
+                          f"but runs on {node!r} (SLURMD_NODENAME); launch with srun --distribution=block")
+    hosts = {MESH: tuple(ranks)}
+    job, width = environ.get("SLURM_JOB_ID", "0"), max(Counter(ranks).values()) * 2
+    default = _SLURM_PORTS[0] + (int(job) if job.isdigit() else 0) % max(_SLURM_PORTS[1] // width, 1) * width
+    return Placement("slurm", MESH, int(procid), hosts, _port(environ, default), _stand_in(environ))
 
 
 def placement_from_env(environ, cfg: Config) -> Placement | None:
@@ -288,6 +351,9 @@ def _need(environ, name: str, source: str = "kubernetes") -> str:
     value = environ.get(name, "")
     if value:
         return value
+    if source == "SLURM step":
+        raise ConfigError(f"{name} is unset; srun sets it for the processes of a step: start them with "
+                          f"srun (launch/slurm/mesh.sbatch)")
     if source == "SLURM":
         raise ConfigError(f"{name} is unset; sbatch sets it in a heterogeneous job: submit one "
                           f"`#SBATCH hetjob` component per island (launch/slurm/hetjob.sbatch)")

@@ -8,6 +8,9 @@ backend profile's deterministic variant, in its own run directory under --out. A
 runs start from the same initial weights because they share config.seed; the step-0
 parameter digest, which every run records, proves it (a mismatch voids the row).
 
+It prints a table of each layout against the first and draws every layout's loss
+gap, step by step, in OUT/loss_gaps.png (with the `plot` extra).
+
 Layout syntax: `axis=size[,axis=size...]` over the mesh axes pipeline, data, fsdp,
 tensor; unnamed axes are 1, except fsdp, which takes the remaining devices unless it
 is named. `virtual_stages=V` (with pipeline=S) interleaves V chunks of layers per stage
@@ -159,6 +162,13 @@ def check(config: str, layouts: str, out: str | Path, overrides: dict | None = N
         rows.append(Row(lay.name, run_dir, code == 0,
                         compare_lib.compare(rows[0].run_dir, run_dir, rtol, norm_rtol) if compared else None))
     echo(table(rows, rtol, norm_rtol), flush=True)
+    compared = {r.layout: r.run_dir for r in rows[1:] if r.report is not None}
+    if compared:
+        from hetjax import plot
+        try:  # the verdict stands without its picture
+            echo(f"loss gaps: {plot.loss_gaps(rows[0].run_dir, compared, out / 'loss_gaps.png', rtol, rows[0].layout)}", flush=True)
+        except ConfigError as e:
+            echo(f"no picture of the loss gaps: {e}", flush=True)
     if not all(r.ok for r in rows):
         return 1, rows
     return max(r.report.code for r in rows[1:]), rows

@@ -326,12 +326,8 @@ class HostEndpoint(Endpoint):
             raise TransferError(f"recv {tag!r}: peer {peer} sent bytes {offset}..{offset + n} of a {buf.size}-byte piece")
         view = memoryview(buf)[offset:offset + n]
         inbox.handle.arriving()
-        if "sum" in meta:  # a small chunk: its sum came in its header
-            wire.recv_into(conn, view, peer)
-            good = self.checksum(view) == meta["sum"]
-        else:
-            good = wire.recv_summed(conn, view, self.cfg.checksum, peer)
-        if not good:
+        wire.recv_into(conn, view, peer)
+        if self.checksum(view) != meta["sum"]:
             raise TransferError(f"recv {tag!r}: a chunk from peer {peer} (leaf {i}, piece {j}, bytes "
                                 f"{offset}..{offset + n}) failed its {self.cfg.checksum} check: the data was corrupted")
         inbox.activity.touch()

@@ -125,16 +125,12 @@ class Stream:
         for k, (i, j, piece, sub, offset) in enumerate(job.chunks):
             data, copy = copy, (_host_chunk(job, k + 1, ep) if k + 1 < len(job.chunks) else None)
             payload = _payload(data)
-            if payload.nbytes <= wire.SMALL:
-                frame = wire.frame(wire.CHUNK, {"tag": tag, **_chunk_meta(job, i, j, piece, offset, payload, ep)})
-                pending += [frame, payload.tobytes()]
-                if sum(map(len, pending)) > wire.SMALL:
-                    wire.sendall(sock, b"".join(pending), address)
-                    pending = []
-            else:  # summed as it is written, the sum after it (wire.PIECE)
-                frame = {"tag": tag, **_chunk_meta(job, i, j, piece, offset, payload, None)}
+            frame = {"tag": tag, **_chunk_meta(job, i, j, piece, offset, payload, ep)}
+            if payload.nbytes <= wire.SMALL and sum(map(len, pending)) <= wire.SMALL:
+                pending += [wire.frame(wire.CHUNK, frame), payload.tobytes()]
+            else:
                 wire.sendall(sock, b"".join(pending) + wire.frame(wire.CHUNK, frame), address)
-                wire.send_summed(sock, payload, ep.cfg.checksum, address)
+                wire.sendall(sock, payload, address)
                 pending = []
             with _counted:
                 job.handle.wire_bytes += payload.nbytes
@@ -159,13 +155,10 @@ def _payload(data) -> memoryview:
 
 
 def _chunk_meta(job: Job, i: int, j: int, piece, offset: int, payload: memoryview, endpoint) -> dict:
-    """A chunk's header; with no endpoint, the sum is left to its trailer (wire.send_summed)."""
     x = job.leaves[i]
-    meta = {"leaf": i, "piece": j, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
-            "region": [list(r) for r in piece.region], "offset": offset, "n": payload.nbytes}
-    if endpoint is not None:
-        meta["sum"] = endpoint.checksum(payload)
-    return meta
+    return {"leaf": i, "piece": j, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
+            "region": [list(r) for r in piece.region], "offset": offset, "n": payload.nbytes,
+            "sum": endpoint.checksum(payload)}
 
 
 def _host_chunk(job: Job, k: int, endpoint):

@@ -34,49 +34,6 @@ CHUNK, END, ACK, BATCH = 1, 2, 3, 4  # BATCH: a whole small message; an END is i
 REFUSE = 5
 CHECKSUM_FUNCTIONS = {"xxh3": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32, "adler32": zlib.adler32}
 SMALL = 64 << 10  # a chunk (or a whole message) this small goes out with its header(s) in one write
-# A chunk larger than SMALL is checksummed piece by piece as it is written and read, each
-# piece while it is still in the cache (one pass over memory, not two: with the sum in
-# the header, a 256 MiB message cost 30% of its bandwidth), and its sum follows it.
-PIECE = 512 << 10
-TRAILER = struct.Struct("<Q")
-
-
-class RunningSum:
-    """A chunk's checksum fed piece by piece; the same value as CHECKSUM_FUNCTIONS[name]."""
-
-    def __init__(self, name: str):
-        self._hasher = xxhash.xxh3_64() if name == "xxh3" else None
-        self._f = CHECKSUM_FUNCTIONS[name]  # zlib's take the running value as a second argument
-        self._sum = self._f(b"")
-
-    def update(self, data) -> None:
-        if self._hasher is not None:
-            self._hasher.update(data)
-        else:
-            self._sum = self._f(data, self._sum)
-
-    def value(self) -> int:
-        return self._hasher.intdigest() if self._hasher is not None else self._sum
-
-
-def send_summed(sock, payload: memoryview, checksum: str, peer: str) -> None:
-    """Writes a large chunk's payload and then its checksum (TRAILER)."""
-    running = RunningSum(checksum)
-    for at in range(0, len(payload), PIECE):
-        piece = payload[at:at + PIECE]
-        running.update(piece)
-        sendall(sock, piece, peer)
-    sendall(sock, TRAILER.pack(running.value()), peer)
-
-
-def recv_summed(sock, view: memoryview, checksum: str, peer: str) -> bool:
-    """Fills `view` with a large chunk's payload and reads its TRAILER: True if they agree."""
-    running = RunningSum(checksum)
-    for at in range(0, len(view), PIECE):
-        piece = view[at:at + PIECE]
-        recv_into(sock, piece, peer)
-        running.update(piece)
-    return TRAILER.unpack(recv_exact(sock, TRAILER.size, peer))[0] == running.value()
 
 
 def _mac(secret: bytes, role: bytes, nonce: bytes) -> bytes:

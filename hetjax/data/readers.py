@@ -1,0 +1,217 @@
+"""Documents out of corpus files: text and JSONL (plain, gzip or zstd), Parquet and
+Hugging Face datasets saved on disk, cut into units that processes read in parallel.
+
+A unit is a piece of one input that can be read on its own: a byte range of a plain
+file (it owns the lines that start in it), a whole compressed file (a gzip or zstd
+stream cannot be entered in the middle), a run of a Parquet file's row groups, or
+one Arrow file of a saved dataset. Units are a function of the inputs and
+`chunk_bytes` alone, so any number of processes produces the same documents in the
+same order. Kinds are told apart by content (magic bytes), not by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import gzip
+import io
+import json
+import os
+import zlib
+from pathlib import Path
+
+from hetjax import cli
+from hetjax.data import sources
+from hetjax.errors import DataError
+
+GZIP, ZSTD, PARQUET = b"\x1f\x8b", b"\x28\xb5\x2f\xfd", b"PAR1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    path: str
+    kind: str  # plain | gzip | zstd | parquet | arrow
+    start: int = 0  # plain: byte range; parquet: row groups
+    stop: int = -1
+
+
+def kind(path: Path) -> str:
+    """plain | gzip | zstd | parquet, from the file's first bytes."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head[:2] == GZIP:
+        return "gzip"
+    if head == ZSTD:
+        return "zstd"
+    if head == PARQUET:
+        return "parquet"
+    return "plain"
+
+
+def expand(patterns: str, what: str = "--input") -> list[Path]:
+    """Files and saved-dataset directories (their Arrow files) named by paths or globs."""
+    files: list[Path] = []
+    for pattern in filter(None, (p.strip() for p in patterns.split(","))):
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        for m in matches:
+            if Path(m).is_dir():
+                files += hf_dataset_files(Path(m), what)
+        rest = ",".join(glob.escape(m) for m in matches if not Path(m).is_dir())
+        files += sources.expand(rest or pattern, what) if rest or not matches else []
+    if not files:
+        raise DataError(f"{what}={patterns!r}: no files; give files, globs or a saved dataset directory")
+    return files
+
+
+def hf_dataset_files(root: Path, what: str) -> list[Path]:
+    """The Arrow files of a `datasets` save_to_disk directory (a DatasetDict: its train split)."""
+    if (root / "dataset_dict.json").is_file():
+        splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+        if "train" not in splits:
+            raise DataError(f"{what}={str(root)!r}: a DatasetDict without a 'train' split ({splits}); "
+                            f"give the split's directory, e.g. {root / (splits or ['SPLIT'])[0]}")
+        root = root / "train"
+    state = root / "state.json"
+    if not state.is_file():
+        raise DataError(f"{what}={str(root)!r}: a directory, but not a dataset saved with "
+                        f"datasets' save_to_disk (no state.json); give files or globs")
+    names = [f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
+    return [root / n for n in names]
+
+
+def units(files: list[Path], chunk_bytes: int = 64 << 20, row_groups: int = 4) -> list[Unit]:
+    """The inputs cut into independently readable units, in document order."""
+    out: list[Unit] = []
+    for f in files:
+        k = "arrow" if f.suffix == ".arrow" else kind(f)
+        if k == "plain":
+            size = f.stat().st_size
+            out += [Unit(str(f), k, a, min(a + chunk_bytes, size)) for a in range(0, size, chunk_bytes)]
+        elif k == "parquet":
+            n = _parquet(f).metadata.num_row_groups
+            out += [Unit(str(f), k, a, min(a + row_groups, n)) for a in range(0, n, row_groups)]
+        else:
+            out.append(Unit(str(f), k))
+    return out
+
+
+def check_columns(files: list[Path], field: str) -> None:
+    """DataError unless every Parquet file and saved dataset has the column `field`."""
+    for f in files:
+        if f.suffix == ".arrow":
+            names = _arrow(f).schema.names
+        elif kind(f) == "parquet":
+            names = _parquet(f).schema_arrow.names
+        else:
+            continue
+        if field not in names:
+            what = "dataset" if f.suffix == ".arrow" else "Parquet file"
+            raise DataError(f"{f}: the {what} has no column {field!r} (--field / config.data.text_field); "
+                            f"its columns are {names}")
+
+
+def _arrow(path):
+    ipc = cli.need("pyarrow.ipc", "parquet", f"the saved dataset file {path}")
+    try:
+        return ipc.open_stream(path)
+    except Exception as e:
+        raise DataError(f"{path}: not an Arrow stream of a saved dataset ({e})") from None
+
+
+def _parquet(path):
+    pq = cli.need("pyarrow.parquet", "parquet", f"the Parquet file {path}")
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+
+
+def read(unit: Unit, fmt: str, field: str, skip_bad: bool, skipped: list, batch: int = 1024):
+    """Yields lists of up to `batch` document texts from one unit; a bad record raises
+    DataError naming file and line (or row), or with `skip_bad` goes to `skipped`."""
+    if unit.kind in ("parquet", "arrow"):
+        yield from _columnar(unit, field, skip_bad, skipped, batch)
+        return
+    texts: list[str] = []
+    for lineno, body in _lines(unit):
+        if not body.strip():
+            continue
+        try:
+            texts.append(sources._parse(body, fmt, field))
+        except ValueError as e:
+            if not skip_bad:
+                raise DataError(f"{unit.path}:{lineno}: {e}; fix the line, or pass --skip_bad "
+                                f"(config.data.skip_bad_records) to skip such lines") from None
+            skipped.append((unit.path, lineno, str(e)))
+            continue
+        if len(texts) == batch:
+            yield texts
+            texts = []
+    if texts:
+        yield texts
+
+
+def _lines(unit: Unit):
+    """(line number or byte offset, line without its newline) of the unit."""
+    if unit.kind == "plain":
+        with open(unit.path, "rb") as f:
+            pos = unit.start
+            if pos:
+                f.seek(pos - 1)
+                if f.read(1) != b"\n":  # the line under `start` belongs to the unit before
+                    pos += len(f.readline())
+            lineno = 0
+            while pos < unit.stop:
+                line = f.readline()
+                if not line:
+                    break
+                lineno += 1  # exact in the file's first unit; later ones name the byte
+                yield lineno if unit.start == 0 else f"byte {pos}", line.rstrip(b"\r\n")
+                pos += len(line)
+        return
+    broken: tuple = (OSError, EOFError, zlib.error)
+    if unit.kind == "gzip":
+        stream = gzip.open(unit.path, "rb")
+    else:
+        zstd = cli.need("zstandard", "zstd", f"the zstd file {unit.path}")
+        broken += (zstd.ZstdError,)
+        stream = io.BufferedReader(zstd.ZstdDecompressor().stream_reader(open(unit.path, "rb"), closefd=True))
+    lineno = 0
+    with stream:
+        try:
+            for lineno, line in enumerate(stream, 1):
+                yield lineno, line.rstrip(b"\r\n")
+        except broken as e:
+            raise DataError(f"{unit.path}: corrupt {unit.kind} data after line {lineno} ({e}); the "
+                            f"file is damaged: fetch it again or leave it out of the input") from None
+
+
+def _columnar(unit: Unit, field: str, skip_bad: bool, skipped: list, batch: int):
+    if unit.kind == "parquet":
+        pf = _parquet(unit.path)
+        names = pf.schema_arrow.names
+        if field not in names:
+            raise DataError(f"{unit.path}: the Parquet file has no column {field!r} (--field / "
+                            f"config.data.text_field); its columns are {names}")
+        batches = pf.iter_batches(batch_size=batch, row_groups=range(unit.start, unit.stop), columns=[field])
+        row = sum(pf.metadata.row_group(g).num_rows for g in range(unit.start))
+    else:
+        reader = _arrow(unit.path)
+        if field not in reader.schema.names:
+            raise DataError(f"{unit.path}: the dataset has no column {field!r} (--field / "
+                            f"config.data.text_field); its columns are {reader.schema.names}")
+        batches, row = (b.select([field]) for b in reader), 0
+    for b in batches:
+        values = b.column(0).to_pylist()
+        texts = []
+        for i, v in enumerate(values):
+            if isinstance(v, str):
+                texts.append(v)
+            elif not skip_bad:
+                raise DataError(f"{unit.path}: row {row + i}: column {field!r} is "
+                                f"{type(v).__name__}, not a string; pass --skip_bad to skip such rows")
+            else:
+                skipped.append((unit.path, f"row {row + i}", f"{type(v).__name__}, not a string"))
+        row += len(values)
+        if texts:
+            yield texts

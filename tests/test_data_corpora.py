@@ -1,0 +1,254 @@
+"""Real corpora: compressed JSONL, Parquet, saved datasets, parallel resumable prepare,
+tokenizers told apart by content, BOS/EOS conventions, mixtures, and a real-text run."""
+
+import base64
+import gzip
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from hetjax import data, program, train
+from hetjax.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig, validate
+from hetjax.data import mixture, packing, pipeline, prepare, tokenizers
+from hetjax.mesh import make_mesh
+from hetjax.sharding import DEFAULT_RULES
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = [f"document {i}: " + " ".join(f"w{(i * 7 + j) % 23}" for j in range(i % 9 + 1)) for i in range(60)]
+
+
+def jsonl(texts):
+    return "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)).encode()
+
+
+def write_corpora(root: Path) -> dict[str, str]:
+    """The same 60 documents in every input kind; the values are prepare's --input."""
+    root.mkdir(exist_ok=True)
+    (root / "a.jsonl").write_bytes(jsonl(TEXT))
+    (root / "b.jsonl.gz").write_bytes(gzip.compress(jsonl(TEXT[:30])) + gzip.compress(jsonl(TEXT[30:])))
+    (root / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl(TEXT)))
+    table = pa.table({"id": list(range(60)), "text": TEXT})
+    pq.write_table(table, root / "d.parquet", row_group_size=7)
+    ds = root / "saved"  # what datasets' save_to_disk writes: Arrow streams listed in state.json
+    ds.mkdir()
+    for k, part in enumerate((table.slice(0, 25), table.slice(25))):
+        with pa.ipc.new_stream(ds / f"data-0000{k}-of-00002.arrow", part.schema) as w:
+            w.write_table(part)
+    (ds / "state.json").write_text(json.dumps({"_data_files": [{"filename": f"data-0000{k}-of-00002.arrow"}
+                                                               for k in range(2)]}))
+    (ds / "dataset_info.json").write_text("{}")
+    return {"plain": str(root / "a.jsonl"), "gzip": str(root / "b.jsonl.gz"), "zstd": str(root / "c.jsonl.zst"),
+            "parquet": str(root / "d.parquet"), "saved": str(ds)}
+
+
+def read_back(directory) -> list[bytes]:
+    src = data.sources.ArrayRecordSource(str(directory))
+    assert isinstance(src.lengths, np.memmap)  # start-up maps the index, reads no tokens
+    return [bytes(src[i].astype(np.uint8)) for i in range(len(src))]
+
+
+def test_every_input_kind_prepares_to_the_same_documents_on_any_process_count(tmp_path):
+    inputs = write_corpora(tmp_path / "in")
+    expected = [t.encode() for t in TEXT]
+    for name, path in inputs.items():
+        meta = prepare.prepare(path, str(tmp_path / name), progress=False, processes=2, chunk_bytes=700)
+        assert read_back(tmp_path / name) == expected, name  # in input order, nothing lost
+        assert meta["tokens"] == sum(map(len, expected)) and meta["sources"][0]["bytes"] > 0
+    # The plain file's byte ranges on 2 processes = the same ranges on one.
+    one = prepare.prepare(inputs["plain"], str(tmp_path / "one"), progress=False, processes=1, chunk_bytes=700)
+    many = json.loads((tmp_path / "plain" / "meta.json").read_text())
+    assert one["digest"] == many["digest"] and many["units"] == one["units"] > 1
+    # A glob over shards of several kinds keeps their order.
+    meta = prepare.prepare(str(tmp_path / "in" / "*.jsonl*"), str(tmp_path / "glob"), progress=False)
+    assert read_back(tmp_path / "glob") == expected * 3 and len(meta["sources"]) == 3
+
+
+def test_an_interrupted_prepare_resumes_and_other_options_are_refused(tmp_path, capsys):
+    inputs = write_corpora(tmp_path / "in")
+    first = prepare.prepare(inputs["parquet"], str(tmp_path / "out"), progress=False, processes=2)
+    progress = tmp_path / "out" / ".progress"
+    # As if killed: the last units never recorded, no manifest yet.
+    for f in sorted(progress.glob("unit-*.json"))[1:]:
+        f.unlink()
+    (tmp_path / "out" / "meta.json").unlink()
+    again = prepare.prepare(inputs["parquet"], str(tmp_path / "out"), progress=False, processes=2)
+    assert "resuming: 1 of 3 units already done" in capsys.readouterr().out
+    assert again == first
+    with pytest.raises(ConfigError, match="holds a preparation of other inputs"):
+        prepare.prepare(inputs["plain"], str(tmp_path / "out"), progress=False)
+
+
+def test_a_killed_prepare_continues_where_it_stopped(tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    for k in range(300):  # one unit per compressed file
+        (tmp_path / "in" / f"{k:03d}.jsonl.gz").write_bytes(gzip.compress(jsonl(TEXT[k % 50:k % 50 + 10])))
+    args = [sys.executable, "-m", "hetjax.data.prepare", "--input", str(tmp_path / "in" / "*.gz"),
+            "--output", str(tmp_path / "out"), "--processes", "1"]
+    proc = subprocess.Popen(args, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 120
+    while len(list((tmp_path / "out" / ".progress").glob("unit-*.json"))) < 5 and proc.poll() is None:
+        assert time.monotonic() < deadline, "prepare finished no unit in 120 s"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # the command and its worker, mid-way
+    proc.wait()
+    kept = len(list((tmp_path / "out" / ".progress").glob("unit-*.json")))
+    assert 5 <= kept and not (tmp_path / "out" / "meta.json").exists(), kept
+    resumed = prepare.prepare(str(tmp_path / "in" / "*.gz"), str(tmp_path / "out"), progress=False, processes=2)
+    assert f"resuming: {kept} of 300 units already done" in capsys.readouterr().out
+    clean = prepare.prepare(str(tmp_path / "in" / "*.gz"), str(tmp_path / "clean"), progress=False, processes=2)
+    assert resumed == clean and read_back(tmp_path / "out") == read_back(tmp_path / "clean")
+
+
+def test_bad_corpora_are_named(tmp_path):
+    good = gzip.compress(jsonl(TEXT))
+    crc = int.from_bytes(good[-8:-4], "little") ^ 1
+    for damaged in (good[:len(good) // 2], good[:-8] + crc.to_bytes(4, "little") + good[-4:]):  # cut; bad CRC
+        (tmp_path / "bad.jsonl.gz").write_bytes(damaged)
+        with pytest.raises(ConfigError, match=r"bad\.jsonl\.gz: corrupt gzip data after line \d+"):
+            prepare.prepare(str(tmp_path / "bad.jsonl.gz"), str(tmp_path / "o1"), progress=False, processes=1)
+        shutil.rmtree(tmp_path / "o1")
+    pq.write_table(pa.table({"body": TEXT}), tmp_path / "nocol.parquet")
+    with pytest.raises(ConfigError, match=r"nocol\.parquet: the Parquet file has no column 'text'.*\['body'\]"):
+        prepare.prepare(str(tmp_path / "nocol.parquet"), str(tmp_path / "o2"), progress=False, processes=1)
+    saved = write_corpora(tmp_path / "in")["saved"]
+    with pytest.raises(ConfigError, match=r"the dataset has no column 'body'.*\['id', 'text'\]"):
+        prepare.prepare(saved, str(tmp_path / "o3"), field="body", progress=False)
+    (tmp_path / "mystery.model").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+    with pytest.raises(ConfigError, match="unknown kind of tokenizer file"):
+        tokenizers.load(str(tmp_path / "mystery.model"))
+    (tmp_path / "x.jsonl.gz").write_bytes(good)
+    with pytest.raises(ConfigError, match="read by prepare, not at start-up"):
+        data.build(Config(data=DataConfig(source="jsonl", path=str(tmp_path / "x.jsonl.gz"))))
+    for mix, message in (((("a", -1.0, "jsonl", "x"), ("b", 2.0, "jsonl", "y")), "weight -1.0 must be"),
+                         ((("a", 0.0, "jsonl", "x"), ("b", 0, "jsonl", "y")), "sum to zero")):
+        with pytest.raises(ConfigError, match=message):
+            validate(Config(data=DataConfig(mixture=mix)))
+
+
+def bpe_tokenizer(tmp_path, specials=("<unk>", "<|begin_of_text|>", "<|end_of_text|>")):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    (tmp_path / "train.txt").write_text("\n".join(TEXT * 3))
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(), decoders.ByteLevel()
+    tok.train([str(tmp_path / "train.txt")], trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials)))
+    (tmp_path / "tok").mkdir(exist_ok=True)
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    return tmp_path / "tok"
+
+
+def tiktoken_file(path: Path):
+    """256 bytes then merges, each merge made of lower-ranked tokens (as BPE needs)."""
+    ranks = [bytes([b]) for b in range(256)] + [b"do", b"doc", b"um", b"ent", b"docum", b"document"]
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks)))
+    return ranks
+
+
+def test_tokenizers_are_told_apart_by_content_with_their_own_bos_and_eos(tmp_path):
+    directory = bpe_tokenizer(tmp_path)
+    shutil.copy(directory / "tokenizer.json", tmp_path / "renamed.model")
+    ranks = tiktoken_file(tmp_path / "tokenizer.model")
+    import sentencepiece
+    sentencepiece.SentencePieceTrainer.Train(input=str(tmp_path / "train.txt"), model_prefix=str(tmp_path / "sp"),
+                                             vocab_size=40, bos_id=1, eos_id=2, unk_id=0, minloglevel=2)
+    shutil.copy(tmp_path / "sp.model", tmp_path / "sp.json")
+    kinds = {directory: "HFTokenizer", tmp_path / "renamed.model": "HFTokenizer",
+             tmp_path / "tokenizer.model": "TiktokenTokenizer", tmp_path / "sp.json": "SentencePieceTokenizer"}
+    for path, cls in kinds.items():
+        tok = tokenizers.load(str(path))
+        assert type(tok).__name__ == cls, path
+        batch = tok.encode_batch(TEXT[:5])
+        assert all(np.array_equal(b, tok.encode(t)) for b, t in zip(batch, TEXT[:5]))
+        assert tok.decode(tok.encode(TEXT[3])).strip() == TEXT[3]
+    hf, tt = tokenizers.load(str(directory)), tokenizers.load(str(tmp_path / "tokenizer.model"))
+    assert (hf.bos_id, hf.eos_id) == (1, 2) and hf.add_bos and hf.add_eos
+    # Llama 3's layout: specials after the ranks; "document" merges into one token.
+    assert (tt.bos_id, tt.eos_id, tt.vocab_size) == (len(ranks), len(ranks) + 1, len(ranks) + 256)
+    assert tt.encode("document").tolist() == [len(ranks) - 1]
+    # Qwen2's convention: no BOS, EOS <|endoftext|>.
+    (tmp_path / "q").mkdir()
+    qwen = tokenizers.load(str(bpe_tokenizer(tmp_path / "q", ("<unk>", "<|endoftext|>"))))
+    assert (qwen.bos_id, qwen.add_bos, qwen.eos_id) == (None, False, 1)
+    assert tokenizers.specials(qwen, "auto", "auto") == (None, 1)
+    with pytest.raises(ConfigError, match="config.data.bos=true but the tokenizer has no BOS"):
+        tokenizers.specials(qwen, "true", "auto")
+    assert tokenizers.specials(hf, "auto", "false") == (1, None)
+    # A tokenizer_config.json beside it decides (as in a Hugging Face model directory).
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": {"content": "<|begin_of_text|>"}, "eos_token": "<unk>", "add_bos_token": False}))
+    conf = tokenizers.load(str(directory))
+    assert (conf.bos_id, conf.add_bos, conf.eos_id) == (1, False, 0)
+
+
+def test_documents_end_with_eos_and_it_is_scored(tmp_path):
+    (tmp_path / "c.jsonl").write_bytes(jsonl(TEXT))
+    tt = tiktoken_file(tmp_path / "tok.model")
+    cfg = Config(model=ModelConfig(vocab_size=len(tt) + 256), batch_size=4, seq_len=32,
+                 data=DataConfig(source="jsonl", path=str(tmp_path / "c.jsonl"), tokenizer=str(tmp_path / "tok.model"),
+                                 index_dir=str(tmp_path / "ix"), shuffle=False))
+    d = data.build(cfg)
+    tok = tokenizers.load(str(tmp_path / "tok.model"))
+    rows = d.train.rows(np.arange(d.train.epoch_tokens // 32))
+    stream = np.concatenate([rows["inputs"][:, :], rows["targets"][:, -1:]], axis=1)[:, :-1].reshape(-1)
+    docs = [tok.encode(TEXT[i]) for i in d.train.source.ids]
+    expected = np.concatenate([np.concatenate([[tok.bos_id], x, [tok.eos_id]]) for x in docs])
+    np.testing.assert_array_equal(stream, expected[:len(stream)])
+    eos = rows["targets"] == tok.eos_id
+    assert eos.any() and (rows["loss_mask"][eos] == 1).all()  # EOS is learned
+    assert (rows["loss_mask"][rows["targets"] == tok.bos_id] == 0).all()
+
+
+def test_mixture_rows_are_a_pure_function_of_the_step(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(jsonl(TEXT[:30]))
+    (tmp_path / "b.jsonl").write_bytes(jsonl([t.upper() for t in TEXT[30:]]))
+    mix = (("lower", 3.0, "jsonl", str(tmp_path / "a.jsonl")), ("upper", 1.0, "jsonl", str(tmp_path / "b.jsonl")))
+    cfg = Config(model=ModelConfig(vocab_size=320), batch_size=8, seq_len=16, steps=10,
+                 data=DataConfig(mixture=mix, seed=5, index_dir=str(tmp_path / "ix")))
+    d = data.build(cfg)
+    # Reference: splitmix64 on Python ints, then the chosen source's own row.
+    def pick(g):
+        z = ((5 * 0x9E3779B97F4A7C15 + 0x5EED) + (g + 1) * 0x9E3779B97F4A7C15) % 2**64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        return 0 if (z ^ (z >> 31)) >> 11 < 0.75 * 2**53 else 1
+    expected = [{k: np.stack([d.train.parts[pick(g)].rows([g])[k][0] for g in range(s * 8, s * 8 + 8)])
+                 for k in packing.KEYS} for s in range(4)]
+    for mesh_cfg, workers in ((MeshConfig(data=1, fsdp=8), 0), (MeshConfig(data=4, fsdp=2), 2)):
+        sh = program.batch_shardings(make_mesh(mesh_cfg), DEFAULT_RULES)
+        it = pipeline.DataIterator(d.train, 8, sh, fingerprint=d.fingerprint, num_workers=workers, start_step=1)
+        try:
+            for exp in expected[1:]:
+                batch = next(it)
+                for k in packing.KEYS:
+                    np.testing.assert_array_equal(np.asarray(batch[k]), exp[k], err_msg=(mesh_cfg, k))
+        finally:
+            it.close()
+    share = (mixture.choose(5, 0, np.arange(20000), [3.0, 1.0]) == 0).mean()
+    assert abs(share - 0.75) < 0.015
+    assert data.build(cfg).fingerprint == d.fingerprint != data.build(
+        Config(**{**cfg.__dict__, "data": DataConfig(mixture=mix[:1], index_dir=str(tmp_path / "ix"))})).fingerprint
+
+
+def test_tiny_text_config_trains_on_a_prepared_corpus(tmp_path):
+    corpus = write_corpora(tmp_path / "in")["gzip"]
+    tok = bpe_tokenizer(tmp_path)
+    assert prepare.main(["--input", corpus, "--output", str(tmp_path / "prep"), "--tokenizer", str(tok),
+                         "--processes", "2"]) == 0
+    assert train.main(["--config", "tiny_text", f"--config.data.path={tmp_path / 'prep'}",
+                       f"--config.data.tokenizer={tok}", "--config.steps=20", "--config.log_every=5", "--config.model.num_layers=1",
+                       "--config.eval_every=0", "--config.tensorboard=false", "--config.seq_len=32",
+                       "--config.batch_size=8", f"--config.run_dir={tmp_path / 'run'}"]) == 0
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < 0.6 * losses[0], losses

@@ -1,0 +1,136 @@
+"""One mesh over several processes (no islands): launch.local --processes N starts one
+jax.distributed world (gloo on CPU) whose losses and batches are the one-process run's,
+whose checkpoints resume bit-identically after a SIGKILL, and which stops as a whole,
+with jax's named heartbeat error, when one process dies."""
+
+import io
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from hetjax.errors import ConfigError
+from hetjax.hetero import scheduler
+from hetjax.launch import local
+
+CONFIG = """
+from hetjax.config import Config, DataConfig, MeshConfig, ModelConfig, OptimConfig
+
+def get_config():
+    return Config(
+        model=ModelConfig(vocab_size=64, num_layers=2, embed_dim=32, mlp_dim=64, num_heads=2,
+                          num_kv_heads=1, head_dim=16, rope_theta=10_000.0),
+        optim=OptimConfig(learning_rate=1e-2, warmup_steps=2),
+        data=DataConfig(num_states=8, branching=4, mean_doc_length=12, num_documents=500),
+        mesh=MeshConfig(fsdp=4),
+        steps=6, batch_size=8, seq_len=16, log_every=1, eval_every=0, tensorboard=False,
+        peak_tflops=1.0)  # no matmul measured for MFU in each process
+"""
+# A dead peer is noticed by jax's heartbeats (half of hetero.timeout_s); 30 s stays above
+# a first step's compile on a busy 2-core machine.
+TIMEOUT = 30.0
+
+
+@pytest.fixture(scope="module")
+def cfg_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mesh") / "mesh.py"
+    path.write_text(CONFIG)
+    return str(path)
+
+
+def rows(run_dir, name="fingerprints.jsonl"):
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+
+
+def steps_of(run_dir):
+    """step -> (loss, batch digest) as process 0 recorded them."""
+    return {r["step"]: (r["loss"], r["batch"]) for r in rows(run_dir) if r.get("kind") == "step"}
+
+
+def run_world(cfg_path, run_dir, n, **kw):
+    """launch.local --processes n; process 0's (loss, batch digest) per step."""
+    code = local.run(cfg_path, {"run_dir": str(run_dir), "hetero.timeout_s": str(TIMEOUT)}, processes=n,
+                     out=io.StringIO(), **kw)
+    assert code == 0, (run_dir / "logs" / "mesh-0.log").read_text()[-3000:]
+    return steps_of(run_dir)
+
+
+@pytest.fixture(scope="module")
+def one(cfg_path, tmp_path_factory):
+    """The same mesh's 4 devices in one process (no jax.distributed)."""
+    return run_world(cfg_path, tmp_path_factory.mktemp("one") / "run", 1)
+
+
+def check_world(one, many, run_dir, n):
+    assert sorted(one) == sorted(many) == list(range(6))
+    for s in one:
+        assert many[s][1] == one[s][1], (s, "batch digests differ")
+        assert many[s][0] == pytest.approx(one[s][0], rel=1e-5, abs=1e-5), (s, many[s][0], one[s][0])
+    assert one[5][0] < one[0][0] - 0.2  # it trained
+    # One world: process 0 writes the run's files, the others their own below processes/.
+    for p in range(1, n):
+        theirs = [r for r in rows(run_dir / "processes" / str(p), "metrics.jsonl") if "loss" in r]
+        assert [r["loss"] for r in theirs] == [many[s][0] for s in range(6)]
+    assert f"process 0 of {n} in one jax.distributed world" in (run_dir / "logs" / "mesh-0.log").read_text()
+
+
+# Two tests, so that `pytest -n 2` runs them side by side (each starts its own processes).
+def test_4_gloo_processes_give_the_one_process_losses_and_identical_batches(cfg_path, one, tmp_path):
+    check_world(one, run_world(cfg_path, tmp_path / "run", 4), tmp_path / "run", 4)
+
+
+def test_2_gloo_processes_match_one_and_a_killed_world_stops_then_resumes_bit_identically(cfg_path, one, tmp_path):
+    whole = run_world(cfg_path, tmp_path / "whole", 2)
+    check_world(one, whole, tmp_path / "whole", 2)
+    run_dir, killed = tmp_path / "run", {}
+
+    def saved():  # orbax renames a step's directory to its number once it is complete
+        d = run_dir / "checkpoints"
+        return d.is_dir() and any(p.name.isdigit() for p in d.iterdir())
+
+    def on_line(proc, line):  # SIGKILL rank 1 once a checkpoint exists
+        if proc.settings.tag == "mesh:1" and line.startswith("step ") and not killed and saved():
+            killed["at"] = time.monotonic()
+            os.kill(proc.popen.pid, signal.SIGKILL)
+
+    overrides = {"run_dir": str(run_dir), "checkpoint.every": "2", "hetero.timeout_s": str(TIMEOUT)}
+    code = local.run(cfg_path, overrides, processes=2, on_line=on_line, out=(out := io.StringIO()))
+    took = time.monotonic() - killed["at"]
+    assert code == 128 + signal.SIGKILL, out.getvalue()[-3000:]
+    assert "[launch] island mesh rank 1 exited with signal 9" in out.getvalue()
+    # Rank 0 was blocked in a collective with the dead rank: jax's coordination service
+    # names the dead task and ends it, before the launcher's own timeout.
+    assert "mesh:0 stopped by itself" in out.getvalue() and took < TIMEOUT, (out.getvalue()[-2000:], took)
+    assert "stopped sending heartbeats" in (run_dir / "logs" / "mesh-0.log").read_text()
+    done = max(steps_of(run_dir))
+    assert done < 5, "the job ended before the kill: nothing was tested"
+    # Started again with the same run_dir: resumes from the checkpoint, ends bit-identical.
+    assert local.run(cfg_path, overrides, processes=2, out=(out := io.StringIO())) == 0, out.getvalue()[-3000:]
+    assert "resumed from step" in out.getvalue()
+    assert steps_of(run_dir) == whole
+
+
+def test_the_scheduler_reads_a_one_mesh_world_from_each_source(cfg_path):
+    from hetjax import config as config_lib
+    cfg = config_lib.load(cfg_path)
+    assert scheduler.mesh_world({}, cfg) is None
+    assert scheduler.mesh_world({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}, cfg) is None
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4",
+             "SLURM_STEP_NODELIST": "gpu[01-02]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURMD_NODENAME": "gpu02"}
+    s = scheduler.mesh_world(slurm, cfg)
+    assert (s.island, s.process_id, s.num_processes, s.source) == ("mesh", 3, 4, "slurm")
+    first = scheduler.mesh_world(dict(slurm, SLURM_PROCID="0", SLURMD_NODENAME="gpu01"), cfg)
+    assert s.coordinator.startswith("gpu01:") and first.coordinator == s.coordinator
+    k8s = {"HETJAX_K8S_JOBSET": "run", "HETJAX_K8S_REPLICATED_JOB": "mesh", "HETJAX_K8S_JOB_INDEX": "0",
+           "JOB_COMPLETION_INDEX": "1", "HETJAX_K8S_SUBDOMAIN": "svc", "HETJAX_NUM_PROCESSES": "2"}
+    s = scheduler.mesh_world(k8s, cfg)
+    assert (s.process_id, s.num_processes, s.coordinator) == (1, 2, "run-mesh-0-0.svc:8476")
+    for env, names in ((dict(k8s, HETJAX_NUM_PROCESSES="x"), "HETJAX_NUM_PROCESSES='x'"),
+                       (dict(slurm, SLURM_STEP_TASKS_PER_NODE="1"), "SLURM_STEP_TASKS_PER_NODE='1'"),
+                       (dict(slurm, SLURMD_NODENAME="gpu01"), "SLURMD_NODENAME")):
+        with pytest.raises(ConfigError, match=names):
+            scheduler.mesh_world(env, cfg)
+    with pytest.raises(ConfigError, match="--processes=3"):
+        local.run(cfg_path, processes=3)  # 4 devices do not split over 3 processes

@@ -1,0 +1,103 @@
+"""Weights & Biases: a job logs one run (offline here: no network), whose history is
+metrics.jsonl row for row, with each island's series and the resolved config attached.
+The run is read back from its .wandb file: wandb's own Record protobufs in a LevelDB log."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetjax.config import Config, ConfigError, validate
+from hetjax.errors import MissingExtra
+from hetjax.metrics import WandbConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wandb_records(path: Path) -> list:
+    """Every Record of a .wandb file (LevelDB's log format: 32 KiB blocks of chunks, each
+    with a 7-byte header: crc32c, length, type FULL=1 FIRST=2 MIDDLE=3 LAST=4)."""
+    from wandb.proto import wandb_internal_pb2
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    pos, block, out, pending = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:  # the block's tail is padding
+            pos += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            pos += room
+            continue
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            out.append(record)
+            pending = b""
+    return out
+
+
+def test_an_islands_job_logs_one_offline_run_whose_history_is_its_metrics(tmp_path):
+    pytest.importorskip("wandb")
+    run_dir = tmp_path / "run"
+    # Offline, and any attempt at the network would go nowhere.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", WANDB_MODE="offline", WANDB_SILENT="true",
+               WANDB_BASE_URL="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    r = subprocess.run([sys.executable, "-m", "hetjax.train", "--config", "tiny_hetero", f"--config.run_dir={run_dir}",
+                        "--config.steps=3", "--config.eval_every=0",
+                        "--config.tensorboard=false", "--config.checkpoint.every=0",
+                        "--config.wandb.project=hetjax-test", "--config.wandb.group=job7"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files  # one run for the whole job
+    records = wandb_records(files[0])
+    runs = [x.run for x in records if x.WhichOneof("record_type") == "run"]
+    assert len(runs) == 1 and runs[0].display_name == "tiny_hetero" and runs[0].run_group == "job7"
+    assert runs[0].run_id == (run_dir / "wandb_run_id").read_text().strip()  # a restart continues it
+    attached = {u.key: json.loads(u.value_json) for u in runs[0].config.update}
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert {k: attached[k] for k in saved} == saved  # the resolved config, overrides included
+    assert saved["wandb"]["project"] == "hetjax-test" and saved["steps"] == 3
+
+    logged = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in x.history.item}
+              for x in records if x.WhichOneof("record_type") == "history"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(logged) == len(rows) == 3
+    for row, got in zip(rows, logged):
+        assert {k: got[k] for k in row} == row  # every value, bit for bit
+    for island in ("cuda", "rocm"):  # each island's times as series of their own
+        assert all(f"{island}/step_time" in got and f"{island}/transfer_time" in got
+                   for got in logged)
+
+
+def test_a_bad_wandb_mode_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match=r"config\.wandb\.mode='ofline'.*'offline'"):
+        validate(Config(wandb=WandbConfig(mode="ofline")))
+
+
+def test_an_online_run_without_a_wandb_login_is_refused_before_compiling(monkeypatch, tmp_path):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no such file: no login
+    with pytest.raises(ConfigError, match=r"not logged in to W&B.*wandb login.*--config\.wandb\.mode=offline"):
+        validate(Config(wandb=WandbConfig(project="p")))
+    validate(Config(wandb=WandbConfig(project="p", mode="offline")))
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    validate(Config(wandb=WandbConfig(project="p")))
+
+
+def test_a_wandb_project_without_wandb_installed_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    with pytest.raises(MissingExtra, match=r"config\.wandb\.project='p'.*pip install 'hetjax\[wandb\]'"):
+        validate(Config(wandb=WandbConfig(project="p")))
+    validate(Config())  # no project: wandb is never imported
