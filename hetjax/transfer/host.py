@@ -33,7 +33,7 @@ from hetjax.transfer import core, link, wire
 from hetjax.transfer.api import Endpoint, check_leaf
 from hetjax.transfer.link import TransferError, TransferTimeout
 from hetjax.transfer.plan import extent, split
-from hetjax.transfer.stream import Job, Stream
+from hetjax.transfer.stream import Job, Stream, is_small
 
 log = logging.getLogger("hetjax.transfer")
 
@@ -373,7 +373,7 @@ class HostEndpoint(Endpoint):
                     handle.future.set_result(None)
 
         for stream, chunks in jobs:
-            stream.put(Job(tag, leaves, plans, chunks, handle, finished, {}))
+            stream.put(Job(tag, leaves, plans, chunks, handle, finished, {}, is_small(leaves, chunks)))
         return handle
 
     def connect(self, address: str) -> socket.socket:

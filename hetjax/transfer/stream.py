@@ -9,6 +9,7 @@ still read by the stream's thread).
 
 from __future__ import annotations
 
+import functools
 import queue
 import socket
 import threading
@@ -34,13 +35,14 @@ class Job(typing.NamedTuple):
     chunks: list  # (leaf, piece index, piece, sub-region, byte offset in the piece)
     handle: core.Handle
     finished: typing.Callable  # finished(None) once acknowledged, finished(error) on failure
-    shards: dict  # (leaf, source position) -> the shard as a numpy array (CPU), made once
+    shards: dict  # (leaf, source position) -> the shard as a numpy array (CPU), made once;
+    # (leaf, None) -> {device: its shard of the leaf}
+    small: bool  # at most wire.SMALL bytes: the job goes as one BATCH frame (see is_small)
 
-    @property
-    def small(self) -> bool:
-        """At most wire.SMALL bytes: the job goes as one BATCH frame."""
-        return sum(volume(sub) * np.dtype(self.leaves[i].dtype).itemsize
-                   for i, _, _, sub, _ in self.chunks) <= wire.SMALL
+
+def is_small(leaves, chunks) -> bool:
+    """Whether `chunks` of `leaves` hold at most wire.SMALL bytes."""
+    return sum(volume(sub) * np.dtype(leaves[i].dtype).itemsize for i, _, _, sub, _ in chunks) <= wire.SMALL
 
 
 class Stream:
@@ -156,9 +158,14 @@ def _payload(data) -> memoryview:
 
 def _chunk_meta(job: Job, i: int, j: int, piece, offset: int, payload: memoryview, endpoint) -> dict:
     x = job.leaves[i]
-    return {"leaf": i, "piece": j, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
+    return {"leaf": i, "piece": j, "shape": list(x.shape), "dtype": _dtype_name(x.dtype),
             "region": [list(r) for r in piece.region], "offset": offset, "n": payload.nbytes,
             "sum": endpoint.checksum(payload)}
+
+
+@functools.cache
+def _dtype_name(dtype) -> str:
+    return np.dtype(dtype).name  # numpy works the name out anew at each call: 4 us a chunk
 
 
 def _host_chunk(job: Job, k: int, endpoint):
@@ -171,7 +178,11 @@ def _host_chunk(job: Job, k: int, endpoint):
     index = core.local_slices(sub, within)
     if (i, piece.src) in job.shards:
         return job.shards[i, piece.src][index]
-    data = core.shard_on(x, piece.src)
+    if (i, None) not in job.shards:  # one walk over the leaf's shards, not one per piece
+        job.shards[i, None] = {shard.device: shard.data for shard in x.addressable_shards}
+    data = job.shards[i, None].get(x.sharding.mesh.devices.flat[piece.src])
+    if data is None:
+        raise TransferError(f"send {job.tag!r}: mesh position {piece.src} is not addressable in this process")
     if next(iter(data.devices())).platform == "cpu":
         data.block_until_ready()  # the producing program's time is not a copy's
         t = time.perf_counter()
