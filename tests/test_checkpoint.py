@@ -298,12 +298,12 @@ def test_a_failed_save_is_loud_and_keeps_the_previous_checkpoint(tmp_path, how):
 
 
 def test_training_on_a_full_disk_exits_with_the_cause_in_one_line(tmp_path):
-    def full_disk():  # in the child: writes past 20 kB fail, as on a full disk
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY))
+    # In the child: writes past 20 KiB fail, as on a full disk (set by a shell, not a
+    # preexec_fn: forking this multithreaded process draws jax's deadlock warning).
+    full_disk = ["bash", "-c", "trap '' XFSZ; ulimit -f 20; exec \"$@\"", "bash"]
     args = [a for a in TRAIN_ARGS if not a.startswith("--config.steps")]
-    proc = subprocess.run([sys.executable, "-m", "hetjax.train", *args, "--config.steps=6",
-                           f"--config.run_dir={tmp_path / 'run'}"], cwd=ROOT, preexec_fn=full_disk,
+    proc = subprocess.run([*full_disk, sys.executable, "-m", "hetjax.train", *args, "--config.steps=6",
+                           f"--config.run_dir={tmp_path / 'run'}"], cwd=ROOT,
                           env={**ENV, "PYTHONDONTWRITEBYTECODE": "1"}, capture_output=True, text=True,
                           timeout=300)
     # orbax's own threads log their tracebacks too (before or after): ours is one line.
