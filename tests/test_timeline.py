@@ -67,17 +67,22 @@ def test_own_programs_count_as_compute_not_as_a_wait():
     x = jnp.ones((1024, 1024))
     f = jax.jit(lambda x: [x := jnp.tanh(x @ x) for _ in range(8)][-1]).lower(x).compile()
     jax.block_until_ready(f(x))
-    t = time.perf_counter()
-    jax.block_until_ready(f(x))
-    alone = time.perf_counter() - t  # the program's own time, measured by blocking on it
+    alone = []  # the program's own time, measured by blocking on it (the least of three: CI's load)
+    for _ in range(3):
+        t = time.perf_counter()
+        jax.block_until_ready(f(x))
+        alone.append(time.perf_counter() - t)
     tl = timeline_lib.Timeline("a", 0)
-    tl.begin(0)
     call = tl.program("f", f)
-    call(x)
-    tl.settle()  # what Links.wait does before waiting on a peer
-    parts = tl.end()
-    assert parts["dispatch"] + parts["compute"] >= 0.7 * alone
-    assert parts["wait_peer"] == parts["wait_bytes"] == 0
+    counted = []
+    for step in range(3):
+        tl.begin(step)
+        call(x)
+        tl.settle()  # what Links.wait does before waiting on a peer
+        parts = tl.end()
+        assert parts["wait_peer"] == parts["wait_bytes"] == 0
+        counted.append(parts["dispatch"] + parts["compute"])
+    assert max(counted) >= 0.7 * min(alone), (counted, alone)
 
 
 def test_a_window_records_only_its_steps_and_writes_a_trace(tmp_path):
