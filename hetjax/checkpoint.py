@@ -226,10 +226,11 @@ class Manager:
                 raise
 
     def _raise_pending_errors(self):
-        """Raises the failure of the save in flight, if it has failed by now."""
-        if self._handed is not None and self._handed.done():
-            self._take_handed()
-        if self._pending is not None and self._handed is None:
+        """Raises the failure of the save in flight, if it has failed by now. Waits for the
+        previous hand-over to orbax (long done, unless saves come faster than it) so that
+        its failure is not lost behind the next one."""
+        self._take_handed()
+        if self._pending is not None:
             try:
                 self._manager.check_for_errors()
             except Exception as e:
