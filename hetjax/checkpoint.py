@@ -205,13 +205,11 @@ class Manager:
             self._manager.wait_until_finished()
             self._manager.check_for_errors()
         except Exception as e:
-            step, self._pending, self._reported = self._pending, None, True
-            raise self._save_error(step, e) from e
+            raise self._failed(e) from e
         # Looked up directly: orbax's reload() stats every step directory and fails when its
         # background delete removes an old one meanwhile. orbax renames a step into place last.
         if self._pending is not None and not (self.directory / str(self._pending)).is_dir():
-            step, self._pending, self._reported = self._pending, None, True
-            raise self._save_error(step, RuntimeError("the step directory was not committed"))
+            raise self._failed(RuntimeError("the step directory was not committed"))
         self._pending = None
         self._causes.clear()  # all committed: what orbax logged before is no cause of a later failure
 
@@ -234,8 +232,12 @@ class Manager:
             try:
                 self._manager.check_for_errors()
             except Exception as e:
-                step, self._pending, self._reported = self._pending, None, True
-                raise self._save_error(step, e) from e
+                raise self._failed(e) from e
+
+    def _failed(self, error: BaseException) -> CheckpointError:
+        """The pending save's failure, to raise now (so close() does not raise it again)."""
+        step, self._pending, self._reported = self._pending, None, True
+        return self._save_error(step, error)
 
     def _save_error(self, step, error) -> CheckpointError:
         return save_failures.error(self.directory, step, error, self._causes)

@@ -166,13 +166,20 @@ def local_slices(region: Region, within: Region) -> tuple[slice, ...]:
     return tuple(slice(lo - base, hi - base) for (lo, hi), (base, _) in zip(region, within))
 
 
-def shard_on(array: jax.Array, position: int):
-    """The addressable shard of `array` at mesh position `position`."""
-    device = array.sharding.mesh.devices.flat[position]
-    for shard in array.addressable_shards:
-        if shard.device == device:
-            return shard.data
-    raise TransferError(f"mesh position {position} ({device}) is not addressable in this process")
+def shards_by_position(array: jax.Array) -> dict[int, jax.Array]:
+    """Mesh position -> the data of `array`'s addressable shard there, in one walk."""
+    position = {device: p for p, device in enumerate(array.sharding.mesh.devices.flat)}
+    return {position[shard.device]: shard.data for shard in array.addressable_shards}
+
+
+def shard_on(array: jax.Array, position: int, shards: dict | None = None):
+    """The addressable shard of `array` at mesh position `position`; `shards`: its
+    shards_by_position, when a caller looks up several."""
+    shards = shards_by_position(array) if shards is None else shards
+    if position not in shards:
+        device = array.sharding.mesh.devices.flat[position]
+        raise TransferError(f"mesh position {position} ({device}) is not addressable in this process")
+    return shards[position]
 
 
 def _uint(dtype):

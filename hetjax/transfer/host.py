@@ -373,7 +373,7 @@ class HostEndpoint(Endpoint):
                     handle.future.set_result(None)
 
         for stream, chunks in jobs:
-            stream.put(Job(tag, leaves, plans, chunks, handle, finished, {}, is_small(leaves, chunks)))
+            stream.put(Job(tag, leaves, plans, chunks, handle, finished, {}, {}, is_small(leaves, chunks)))
         return handle
 
     def connect(self, address: str) -> socket.socket:

@@ -35,8 +35,8 @@ class Job(typing.NamedTuple):
     chunks: list  # (leaf, piece index, piece, sub-region, byte offset in the piece)
     handle: core.Handle
     finished: typing.Callable  # finished(None) once acknowledged, finished(error) on failure
-    shards: dict  # (leaf, source position) -> the shard as a numpy array (CPU), made once;
-    # (leaf, None) -> {device: its shard of the leaf}
+    shards: dict  # (leaf, source position) -> the shard as a numpy array (CPU), made once
+    by_position: dict  # leaf -> core.shards_by_position(leaf), made once
     small: bool  # at most wire.SMALL bytes: the job goes as one BATCH frame (see is_small)
 
 
@@ -178,11 +178,9 @@ def _host_chunk(job: Job, k: int, endpoint):
     index = core.local_slices(sub, within)
     if (i, piece.src) in job.shards:
         return job.shards[i, piece.src][index]
-    if (i, None) not in job.shards:  # one walk over the leaf's shards, not one per piece
-        job.shards[i, None] = {shard.device: shard.data for shard in x.addressable_shards}
-    data = job.shards[i, None].get(x.sharding.mesh.devices.flat[piece.src])
-    if data is None:
-        raise TransferError(f"send {job.tag!r}: mesh position {piece.src} is not addressable in this process")
+    if i not in job.by_position:  # one walk over the leaf's shards, not one per piece
+        job.by_position[i] = core.shards_by_position(x)
+    data = core.shard_on(x, piece.src, job.by_position[i])
     if next(iter(data.devices())).platform == "cpu":
         data.block_until_ready()  # the producing program's time is not a copy's
         t = time.perf_counter()
