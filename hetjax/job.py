@@ -96,11 +96,7 @@ def start(cfg) -> tuple[str, object]:
     world = scheduler.mesh_world(os.environ, cfg, platform=platform)
     if world is None:
         return backend.start(cfg), None
-    if platform == "cpu" and cfg.compile.cache:
-        # As for CPU islands (hetjax/hetero/job.py): programs with gloo collectives loaded
-        # from the persistent cache have aborted in XLA:CPU's rendezvous; compile afresh.
-        cfg = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, cache=False))
-    line = backend.start(cfg)
+    line = backend.start_afresh_on_cpu(cfg, platform == "cpu", "the CPU processes of one world")
     island = scheduler.one_island(cfg, world.num_processes, _local_devices(cfg, platform, world.num_processes),
                                   platform).hetero.islands[0]
     runtime.initialize(world, island, cfg.hetero.timeout_s)  # gloo across processes on CPU

@@ -2,9 +2,9 @@
 profile plugin and Perfetto open. Jobs over islands also draw their own timeline of
 those steps (hetjax.hetero.timeline).
 
-Each process writes its own trace into its run directory's profile/ (a process of an
-islands job has a run directory of its own; the processes of one mesh share one, so
-each gets profile/process<i>/): plugins/profile/<time>/<host>.xplane.pb for
+Each process writes its own trace into its run directory's profile/ (every process has a
+run directory of its own: an island's process its islands/ one, a one-mesh job's process
+i > 0 run_dir/processes/i): plugins/profile/<time>/<host>.xplane.pb for
 TensorBoard's profile plugin (`tensorboard --logdir RUN_DIR/profile`) and
 perfetto_trace.json.gz beside it for https://ui.perfetto.dev. Each traced step is a
 StepTraceAnnotation named "train", which the profile plugin's step view reads."""
@@ -31,8 +31,6 @@ class Profiler:
     def __init__(self, window: str, directory: Path, log=print):
         self.window = parse_window(window)
         self.directory, self.log, self.active = Path(directory), log, False
-        if self.window and jax.process_count() > 1:  # two processes' traces would share a file name
-            self.directory = self.directory / f"process{jax.process_index()}"
 
     def before(self, step: int) -> bool:
         """Before step `step` is dispatched; True when the trace started now."""

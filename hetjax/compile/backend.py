@@ -190,3 +190,16 @@ def start(cfg) -> str:
         path = cache.enable(cache.directory(cfg.compile.cache_dir, cfg.run_dir, applied.profile.platform))
         line += f"; compilation cache: {path}"
     return line
+
+
+# Islands on CPU, and the processes of a one-mesh world on CPU, compile every program
+# afresh. Loaded from jax's persistent cache, such programs (several in flight, each with
+# collectives) have aborted in XLA:CPU's collective rendezvous on jax 0.10.2 ("2 threads
+# expected, 1 arrived"), the `direct` stall an earlier bench saw; compiled afresh they
+# never did. Their compiles take seconds.
+def start_afresh_on_cpu(cfg, cpu: bool, who: str = "CPU islands") -> str:
+    """start(cfg), without the persistent compilation cache when `cpu` (see above)."""
+    if cpu and cfg.compile.cache:
+        cfg = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, cache=False))
+        return start(cfg) + f"; compilation cache: off ({who} compile afresh)"
+    return start(cfg)

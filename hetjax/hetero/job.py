@@ -43,25 +43,12 @@ from hetjax.hetero.replicated import DataShare
 from hetjax.transfer.core import run_async
 
 
-# Islands on CPU compile every program afresh. Loaded from jax's persistent cache, the
-# islands' programs (several of them in flight, each with collectives between the
-# process's devices) have aborted in XLA:CPU's collective rendezvous on jax 0.10.2 ("2
-# threads expected, 1 arrived"), the `direct` stall an earlier bench saw; compiled
-# afresh they never did. Their compiles take seconds.
-def _start_backend(cfg, cpu: bool) -> str:
-    """backend.start(cfg), without the persistent cache for islands on CPU (see above)."""
-    if cpu and cfg.compile.cache:
-        cfg = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, cache=False))
-        return backend.start(cfg) + "; compilation cache: off (CPU islands compile afresh)"
-    return backend.start(cfg)
-
-
 def start(cfg) -> tuple[str, object]:
     """Sets up the backend for this process (before jax starts) and, in process mode,
     joins this island's jax.distributed world; (start-up line, runtime settings or None)."""
     if cfg.hetero.virtual:
         cpu = backend.resolve(cfg.compile)[0].platform == "cpu"
-        line = _start_backend(cfg, cpu)
+        line = backend.start_afresh_on_cpu(cfg, cpu)
         if cpu:
             # One virtual CPU device per island device: the islands partition them.
             need = sum(i.devices for i in cfg.hetero.islands)
@@ -76,8 +63,8 @@ def start(cfg) -> tuple[str, object]:
                           "launch/k8s/jobset.yaml, which tell each process its island and rank")
     spec = next(i for i in cfg.hetero.islands if i.name == settings.island)
     platform = settings.stand_in or spec.platform
-    line = _start_backend(dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, platform=platform)),
-                          platform == "cpu")
+    line = backend.start_afresh_on_cpu(
+        dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, platform=platform)), platform == "cpu")
     runtime.initialize(settings, spec, cfg.hetero.timeout_s)
     checkpoint.barriers_without_collectives()  # an island of several processes saves mid-run
     where = f"island {settings.island} rank {settings.process_id}/{spec.num_processes} (from {settings.source})"
