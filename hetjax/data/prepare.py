@@ -31,12 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from hetjax import cli as cli_lib  # `cli` below is the console entry point
-from hetjax.data import readers, tokenizers
+from hetjax.data import readers, sources, tokenizers
 from hetjax.errors import ConfigError, DataError
 
 OPTIONS = {"--input": None, "--output": None, "--format": "", "--field": "text",
            "--tokenizer": "byte", "--docs_per_shard": "100000", "--processes": "0"}
-FORMATS = ("text", "jsonl")
 
 
 def _format(path: Path) -> str:
@@ -102,11 +101,10 @@ def prepare(input: str, output: str, *, fmt: str = "", field: str = "text", toke
 
     files = readers.expand(input, "--input")
     fmt = fmt or _format(files[0])
-    if fmt not in FORMATS:
-        raise ConfigError(f"--format={fmt!r}: choose one of {FORMATS}")
+    if fmt not in sources.FORMATS:
+        raise ConfigError(f"--format={fmt!r}: choose one of {sources.FORMATS}")
     tok = tokenizers.load(tokenizer)
-    units = readers.units(files, chunk_bytes)
-    readers.check_columns(files, field)  # before any process starts
+    units = readers.units(files, field, chunk_bytes)  # checks the columns before any process starts
     out = Path(output)
     (out / ".progress").mkdir(parents=True, exist_ok=True)
     stats = [{"path": str(f), "bytes": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files]

@@ -24,28 +24,12 @@ from hetjax import cli
 from hetjax.data import sources
 from hetjax.errors import DataError
 
-GZIP, ZSTD, PARQUET = b"\x1f\x8b", b"\x28\xb5\x2f\xfd", b"PAR1"
-
-
 @dataclasses.dataclass(frozen=True)
 class Unit:
     path: str
     kind: str  # plain | gzip | zstd | parquet | arrow
     start: int = 0  # plain: byte range; parquet: row groups
     stop: int = -1
-
-
-def kind(path: Path) -> str:
-    """plain | gzip | zstd | parquet, from the file's first bytes."""
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head[:2] == GZIP:
-        return "gzip"
-    if head == ZSTD:
-        return "zstd"
-    if head == PARQUET:
-        return "parquet"
-    return "plain"
 
 
 def expand(patterns: str, what: str = "--input") -> list[Path]:
@@ -79,35 +63,32 @@ def hf_dataset_files(root: Path, what: str) -> list[Path]:
     return [root / n for n in names]
 
 
-def units(files: list[Path], chunk_bytes: int = 64 << 20, row_groups: int = 4) -> list[Unit]:
-    """The inputs cut into independently readable units, in document order."""
+def units(files: list[Path], field: str, chunk_bytes: int = 64 << 20, row_groups: int = 4) -> list[Unit]:
+    """The inputs cut into independently readable units, in document order. DataError
+    (before any process starts) unless every Parquet file and saved dataset has the
+    column `field`."""
     out: list[Unit] = []
     for f in files:
-        k = "arrow" if f.suffix == ".arrow" else kind(f)
+        k = "arrow" if f.suffix == ".arrow" else sources.kind(f)
         if k == "plain":
             size = f.stat().st_size
             out += [Unit(str(f), k, a, min(a + chunk_bytes, size)) for a in range(0, size, chunk_bytes)]
         elif k == "parquet":
-            n = _parquet(f).metadata.num_row_groups
+            pf = _parquet(f)
+            _check_column(f, pf.schema_arrow.names, field, "Parquet file")
+            n = pf.metadata.num_row_groups
             out += [Unit(str(f), k, a, min(a + row_groups, n)) for a in range(0, n, row_groups)]
         else:
+            if k == "arrow":
+                _check_column(f, _arrow(f).schema.names, field, "dataset")
             out.append(Unit(str(f), k))
     return out
 
 
-def check_columns(files: list[Path], field: str) -> None:
-    """DataError unless every Parquet file and saved dataset has the column `field`."""
-    for f in files:
-        if f.suffix == ".arrow":
-            names = _arrow(f).schema.names
-        elif kind(f) == "parquet":
-            names = _parquet(f).schema_arrow.names
-        else:
-            continue
-        if field not in names:
-            what = "dataset" if f.suffix == ".arrow" else "Parquet file"
-            raise DataError(f"{f}: the {what} has no column {field!r} (--field / config.data.text_field); "
-                            f"its columns are {names}")
+def _check_column(path: Path, names: list[str], field: str, what: str) -> None:
+    if field not in names:
+        raise DataError(f"{path}: the {what} has no column {field!r} (--field / config.data.text_field); "
+                        f"its columns are {names}")
 
 
 def _arrow(path):
@@ -188,18 +169,11 @@ def _lines(unit: Unit):
 
 def _columnar(unit: Unit, field: str, skip_bad: bool, skipped: list, batch: int):
     if unit.kind == "parquet":
-        pf = _parquet(unit.path)
-        names = pf.schema_arrow.names
-        if field not in names:
-            raise DataError(f"{unit.path}: the Parquet file has no column {field!r} (--field / "
-                            f"config.data.text_field); its columns are {names}")
+        pf = _parquet(unit.path)  # its column was checked by units()
         batches = pf.iter_batches(batch_size=batch, row_groups=range(unit.start, unit.stop), columns=[field])
         row = sum(pf.metadata.row_group(g).num_rows for g in range(unit.start))
     else:
         reader = _arrow(unit.path)
-        if field not in reader.schema.names:
-            raise DataError(f"{unit.path}: the dataset has no column {field!r} (--field / "
-                            f"config.data.text_field); its columns are {reader.schema.names}")
         batches, row = (b.select([field]) for b in reader), 0
     for b in batches:
         values = b.column(0).to_pylist()

@@ -93,6 +93,22 @@ def _parse(body: bytes, fmt: str, field: str) -> str:
     return record[field]
 
 
+GZIP, ZSTD, PARQUET = b"\x1f\x8b", b"\x28\xb5\x2f\xfd", b"PAR1"
+
+
+def kind(path: Path) -> str:
+    """plain | gzip | zstd | parquet, from the file's first bytes."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head[:2] == GZIP:
+        return "gzip"
+    if head == ZSTD:
+        return "zstd"
+    if head == PARQUET:
+        return "parquet"
+    return "plain"
+
+
 class TextSource:
     """Documents of text (one per line) or JSONL files, tokenized on read."""
 
@@ -100,9 +116,7 @@ class TextSource:
                  skip_bad: bool = False, index_dir: str = "", what: str = "config.data.path"):
         self.files = expand(patterns, what)
         for f in self.files:
-            with open(f, "rb") as fh:
-                head = fh.read(4)
-            if head[:2] == b"\x1f\x8b" or head in (b"\x28\xb5\x2f\xfd", b"PAR1"):
+            if kind(f) != "plain":
                 raise DataError(f"{f}: a compressed or Parquet file is read by prepare, not at start-up: "
                                 f"python -m hetjax.data.prepare --input {patterns!r} --output DIR, then "
                                 f"--config.data.source=array_record --config.data.path=DIR")
