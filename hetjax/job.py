@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from hetjax import checkpoint, memory, metrics, program, repro, sharding
+from hetjax import stop as stop_lib
 from hetjax.compile import backend
 from hetjax.errors import ConfigError
 from hetjax.mesh import describe, make_mesh
@@ -192,13 +193,7 @@ class MeshJob:
         self._stop.set()
 
     def train_step(self, state, batch):
-        stop = self._stop.is_set()
-        if jax.process_count() > 1:
-            # Every process must stop at the same step (a save is collective); SIGTERM
-            # reaches them at different times.
-            from jax.experimental import multihost_utils
-            stop = bool(multihost_utils.process_allgather(np.int32(stop)).max())
-        self._agreed = stop
+        self._agreed = stop_lib.agreed(self._stop.is_set())
         return self.compiled(state, batch)
 
     def eval_sums(self, state, i: int) -> dict:

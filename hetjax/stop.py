@@ -20,6 +20,18 @@ INTERRUPTED = 130  # after Ctrl-C: 128 + 2
 _AT_ONCE = b"interrupted twice (Ctrl-C): exiting at once; the last completed checkpoint is kept\n"
 
 
+def agreed(requested: bool) -> bool:
+    """Whether any process of this jax.distributed world asked to stop. Every process must
+    stop at the same step (a save is collective), and a signal reaches them at different
+    times; so this is a collective too, called by every process once per step."""
+    import jax
+    if jax.process_count() == 1:
+        return requested
+    import numpy as np
+    from jax.experimental import multihost_utils
+    return bool(multihost_utils.process_allgather(np.int32(requested)).max())
+
+
 class StopSignals:
     """SIGTERM/SIGINT handlers for one run: `install()`, `attach(job)` once the job
     exists (a signal before that is passed on then), `close()` to restore."""

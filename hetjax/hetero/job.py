@@ -22,9 +22,9 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from hetjax import checkpoint, repro
+from hetjax import stop as stop_lib
 from hetjax import config as config_lib
 from hetjax import metrics as metrics_lib
 from hetjax import state as state_lib
@@ -296,10 +296,7 @@ class IslandsJob:
 
     def train_step(self, states, batches):
         step = self.step_count
-        stop = self._stop.is_set()
-        if self.settings is not None and self.settings.num_processes > 1:
-            # Every process of the island must stop at the same step (a save is collective).
-            stop = bool(multihost_utils.process_allgather(np.int32(stop)).max())
+        stop = stop_lib.agreed(self._stop.is_set())  # by every process of the island's world
         out = self._each(lambda w, s, b: w.train_step(s, b, step, stop), states, batches)
         self.step_count += 1
         self.stop_requested = bool(np.any([o[2] for o in out]))
