@@ -136,7 +136,6 @@ class MeshJob:
         self.cfg, self.dataset = cfg, dataset
         self._batch_words: dict = {}
         self._stop = threading.Event()  # this process's request (SIGTERM)
-        self._agreed = False  # every process's, agreed at the last step
         # Everything below up to init_state is abstract: no parameter is allocated.
         mesh = make_mesh(cfg.mesh)
         prog = program.build(cfg, mesh)  # checks that the model splits over the mesh
@@ -150,6 +149,7 @@ class MeshJob:
         if prog.plan is not None:
             log(prog.plan.describe())
         self.mesh, self.plan = mesh, prog.plan
+        self._agreement = stop_lib.Agreement(mesh)
         if not compile_only:
             memory.check_fits(cfg, estimate, mesh)
 
@@ -187,13 +187,13 @@ class MeshJob:
 
     @property
     def stop_requested(self) -> bool:
-        return self._agreed if jax.process_count() > 1 else self._stop.is_set()
+        return self._agreement.result() if jax.process_count() > 1 else self._stop.is_set()
 
     def request_stop(self) -> None:
         self._stop.set()
 
     def train_step(self, state, batch):
-        self._agreed = stop_lib.agreed(self._stop.is_set())
+        self._agreement.propose(self._stop.is_set())  # agreed by every process; read after the step
         return self.compiled(state, batch)
 
     def eval_sums(self, state, i: int) -> dict:

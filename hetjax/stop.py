@@ -23,13 +23,49 @@ _AT_ONCE = b"interrupted twice (Ctrl-C): exiting at once; the last completed che
 def agreed(requested: bool) -> bool:
     """Whether any process of this jax.distributed world asked to stop. Every process must
     stop at the same step (a save is collective), and a signal reaches them at different
-    times; so this is a collective too, called by every process once per step."""
+    times; so this is a collective too, called by every process once per step. It waits
+    for the device queue to drain: a loop that dispatches ahead uses Agreement instead."""
     import jax
     if jax.process_count() == 1:
         return requested
     import numpy as np
     from jax.experimental import multihost_utils
     return bool(multihost_utils.process_allgather(np.int32(requested)).max())
+
+
+class Agreement:
+    """`agreed` for a loop that dispatches ahead: `propose(requested)` before a step queues
+    the collective behind the steps already queued (nothing waits), and `result()` after
+    the step reads it. The result waits only for the steps before the proposal, which the
+    loop has waited for already when it reads their metrics, so the step just dispatched
+    keeps the device busy meanwhile; a blocking allgather before every step left the
+    device idle while the host dispatched the next one."""
+
+    def __init__(self, mesh):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        self._mesh = mesh
+        self._flags = NamedSharding(mesh, P(tuple(mesh.axis_names)))  # one flag per device
+        self._any = jax.jit(lambda flags: flags.max(), out_shardings=NamedSharding(mesh, P()))
+        self._pending = None
+        self._value = False
+
+    def propose(self, requested: bool) -> None:
+        import jax
+        import numpy as np
+        if jax.process_count() == 1:  # nobody to agree with
+            self._value = requested
+            return
+        mine = np.full(len(self._mesh.local_devices), requested, np.int32)
+        flags = jax.make_array_from_process_local_data(self._flags, mine, (self._mesh.size,))
+        self._pending = self._any(flags)
+
+    def result(self) -> bool:
+        """Whether any process proposed to stop at the last proposal: the same on every process."""
+        if self._pending is not None:
+            self._value = bool(self._pending.addressable_data(0))  # replicated: our own copy
+            self._pending = None
+        return self._value
 
 
 class StopSignals:
