@@ -18,7 +18,6 @@ process's.
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from bench.hetero_vs_homogeneous import tokens_per_sec
 from hetjax import config as config_lib
 from hetjax.compile import backend, cli
 from hetjax.errors import ConfigError
+from hetjax.hetero import scheduler
 from hetjax.launch import local
 
 DEFAULT = "configs/medium_hetero.py"
@@ -46,10 +46,7 @@ def main(argv: list[str]) -> int:
                  "checkpoint.every": "0", "log_every": str(opts["steps"]), "hetero.timeout_s": "600"}
     cfg = config_lib.load(cmd.config, overrides)
     config_lib.validate(cfg)
-    sizes = [getattr(cfg.mesh, a) for a in ("pipeline", "data", "fsdp", "tensor")]
-    devices = n if -1 in sizes else math.prod(sizes)
-    if devices % n:
-        raise ConfigError(f"config.mesh has {devices} devices, which do not split over --processes={n}")
+    devices = n * (scheduler.mesh_devices_per_process(cfg, n) or 1)  # a -1 axis: one device each
     installed, _ = backend.detect()
     pin = "off" if opts["no_pin"] else "auto"
     cores = sorted(os.sched_getaffinity(0))

@@ -94,7 +94,7 @@ def start(cfg) -> tuple[str, object]:
     Job), joins them into one jax.distributed world; (start-up line, settings or None)."""
     from hetjax.hetero import runtime, scheduler
     platform = backend.resolve(cfg.compile)[0].platform
-    world = scheduler.mesh_world(os.environ, cfg, platform=platform)
+    world = scheduler.mesh_world(os.environ, cfg)
     if world is None:
         return backend.start(cfg), None
     line = backend.start_afresh_on_cpu(cfg, platform == "cpu", "the CPU processes of one world")
@@ -108,16 +108,12 @@ def start(cfg) -> tuple[str, object]:
 
 def _local_devices(cfg, platform: str, processes: int) -> int:
     """The devices each process of a one-mesh world must see."""
-    sizes = [getattr(cfg.mesh, a) for a in ("pipeline", "data", "fsdp", "tensor")]
-    if -1 not in sizes:
-        if math.prod(sizes) % processes:
-            raise ConfigError(f"config.mesh ({math.prod(sizes)} devices) does not split over {processes} "
-                              f"processes; give every process the same number of devices")
-        return math.prod(sizes) // processes
+    from hetjax.hetero import scheduler
+    per = scheduler.mesh_devices_per_process(cfg, processes)
+    if per is not None:
+        return per
     if platform == "cpu":
-        flags = os.environ.get("XLA_FLAGS", "").split()
-        found = [f.split("=", 1)[1] for f in flags if f.startswith("--xla_force_host_platform_device_count=")]
-        return int(found[-1]) if found and found[-1].isdigit() else 1
+        return backend.cpu_device_count() or 1
     visible = os.environ.get({"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}.get(platform, ""), "")
     if visible:
         return len(visible.split(","))

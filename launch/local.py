@@ -23,7 +23,6 @@ to let them share all).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import secrets
 import signal
@@ -109,9 +108,7 @@ def device_env(platform: str, devices: int, first_device: int = 0, base=None) ->
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the log as they are printed
     env["JAX_PLATFORMS"] = platform
     if platform == "cpu":
-        flags = [f for f in env.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+        env["XLA_FLAGS"] = backend.with_cpu_device_count(env.get("XLA_FLAGS", ""), devices)
     else:  # several processes of GPU islands on one machine: each takes its own GPUs
         env[_VISIBLE[platform]] = ",".join(map(str, range(first_device, first_device + devices)))
     return env
@@ -149,13 +146,12 @@ def _mesh_job_config(config: str, cfg: Config, processes: int, link_backend: str
     if processes < 1:
         raise ConfigError(f"--processes={processes}: give at least 1")
     config_lib.validate(cfg)
-    sizes = [getattr(cfg.mesh, a) for a in ("pipeline", "data", "fsdp", "tensor")]
-    total = processes if -1 in sizes else math.prod(sizes)
-    if total % processes:
-        raise ConfigError(f"--processes={processes}: config.mesh has {total} devices, which do not split "
-                          f"evenly over {processes} processes; choose a divisor of {total}")
+    try:  # a -1 axis: one device per process, the mesh as large as the processes
+        per = scheduler.mesh_devices_per_process(cfg, processes) or 1
+    except ConfigError as e:
+        raise ConfigError(f"--processes={processes}: {e}") from None
     platform = backend.resolve(cfg.compile)[0].platform
-    return scheduler.one_island(cfg, processes, total // processes, platform)
+    return scheduler.one_island(cfg, processes, per, platform)
 
 
 def secret_env(cfg: Config, environ=None) -> dict[str, str]:

@@ -360,7 +360,7 @@ def test_mesh_jobset_gives_every_pod_its_rank_in_one_world_at_the_declared_port(
     for index in range(job["completions"]):
         env = pod_env(c, name, rj["name"], index, {})
         assert int(env[scheduler.NUM_PROCESSES]) == job["completions"]
-        s = scheduler.mesh_world(env, cfg, platform="cuda")
+        s = scheduler.mesh_world(env, cfg)
         assert (s.source, s.process_id, s.num_processes) == ("kubernetes", index, job["completions"])
         coordinators.add(s.coordinator)
     port = int(env[scheduler.PORT])
@@ -381,7 +381,7 @@ def test_mesh_sbatch_gives_every_task_its_rank_and_the_coordinator_of_one_world(
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     probe = ("import json, os, sys; from hetjax import config; from hetjax.hetero import scheduler; "
-             "s = scheduler.mesh_world(os.environ, config.load(sys.argv[1]), platform='cuda'); "
+             "s = scheduler.mesh_world(os.environ, config.load(sys.argv[1])); "
              "print(json.dumps([s.process_id, s.num_processes, s.coordinator, sys.argv[2:]]))")
     (bin_dir / "srun").write_text(f"""#!/bin/bash
 while [[ "$1" == -* ]]; do shift; done  # srun's options

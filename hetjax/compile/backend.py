@@ -164,6 +164,22 @@ def setup(compile_cfg: CompileConfig, environ=None) -> Applied:
     return apply(profile, why, environ)
 
 
+_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+
+
+def cpu_device_count(environ=None) -> int | None:
+    """The virtual CPU device count that XLA_FLAGS asks for (None: XLA's default, one)."""
+    value = _flag_dict((os.environ if environ is None else environ).get("XLA_FLAGS", "")).get(_DEVICE_COUNT, "")
+    return int(value) if value.isdigit() else None
+
+
+def with_cpu_device_count(xla_flags: str, count: int) -> str:
+    """XLA_FLAGS with the virtual CPU device count set to `count` (any earlier count dropped)."""
+    flags = {k: v for k, v in _flag_dict(xla_flags).items() if k != _DEVICE_COUNT}
+    flags[_DEVICE_COUNT] = str(count)
+    return " ".join(f"{k}={v}" if v else k for k, v in flags.items())
+
+
 def virtual_cpu_devices(count: int, environ=None) -> None:
     """Makes jax start with `count` virtual CPU devices (for lowering without hardware)."""
     environ = os.environ if environ is None else environ
@@ -174,10 +190,7 @@ def virtual_cpu_devices(count: int, environ=None) -> None:
                 f"need {count} virtual CPU devices, but jax already started with "
                 f"{jax.device_count()} {jax.default_backend()} device(s); run in a fresh process")
         return
-    flags = {k: v for k, v in _flag_dict(environ.get("XLA_FLAGS", "")).items()
-             if k != "--xla_force_host_platform_device_count"}
-    flags["--xla_force_host_platform_device_count"] = str(count)
-    environ["XLA_FLAGS"] = " ".join(f"{k}={v}" if v else k for k, v in flags.items())
+    environ["XLA_FLAGS"] = with_cpu_device_count(environ.get("XLA_FLAGS", ""), count)
     environ["JAX_PLATFORMS"] = "cpu"
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections import Counter
 
@@ -91,10 +92,10 @@ MESH = "mesh"  # the one island of a one-mesh job's world
 NUM_PROCESSES = "HETJAX_NUM_PROCESSES"  # the world's size (hetjax and kubernetes sources)
 
 
-def mesh_world(environ, cfg: Config, devices_per_process: int = 1,
-               platform: str = "cpu") -> runtime.ProcessSettings | None:
+def mesh_world(environ, cfg: Config) -> runtime.ProcessSettings | None:
     """This process's place in a one-mesh job (no islands) of several processes: its
-    settings as rank r of one island named `mesh`; None for a job of one process."""
+    settings as rank r of one island named `mesh`; None for a job of one process. (Its
+    ports and coordinator depend on the processes only, not on their devices.)"""
     assert not cfg.hetero.islands, "islands jobs read from_env"
     if ISLAND in environ or K8S_JOBSET in environ:
         text = environ.get(NUM_PROCESSES, "")
@@ -106,13 +107,26 @@ def mesh_world(environ, cfg: Config, devices_per_process: int = 1,
         count = int(environ["SLURM_STEP_NUM_TASKS"]) if environ["SLURM_STEP_NUM_TASKS"].isdigit() else 0
         if count < 2:
             return None  # srun -n 1, or a batch script's own step: one process
-        return settings(_from_slurm_step(environ, cfg, count), one_island(cfg, count, devices_per_process, platform))
+        return settings(_from_slurm_step(environ, cfg, count), one_island(cfg, count, 1))
     else:
         return None
     if count == 1:
         return None
-    one = one_island(cfg, count, devices_per_process, platform)
+    one = one_island(cfg, count, 1)
     return settings(placement_from_env(environ, one), one)
+
+
+def mesh_devices_per_process(cfg: Config, processes: int) -> int | None:
+    """How many devices each of the `processes` processes of a one-mesh job holds: the
+    mesh's size over them; None where config.mesh has a -1 axis (each process's own
+    devices decide then)."""
+    sizes = [getattr(cfg.mesh, a) for a in ("pipeline", "data", "fsdp", "tensor")]
+    if -1 in sizes:
+        return None
+    if processes < 1 or math.prod(sizes) % processes:
+        raise ConfigError(f"config.mesh has {math.prod(sizes)} devices, which do not split evenly over "
+                          f"{processes} processes; run a number of processes that divides {math.prod(sizes)}")
+    return math.prod(sizes) // processes
 
 
 def one_island(cfg: Config, num_processes: int, devices_per_process: int, platform: str = "cpu") -> Config:
@@ -139,9 +153,14 @@ def _from_slurm_step(environ, cfg: Config, count: int) -> Placement:
         raise ConfigError(f"SLURM_PROCID={procid} belongs on {ranks[int(procid)]!r} under the block distribution, "
                           f"but runs on {node!r} (SLURMD_NODENAME); launch with srun --distribution=block")
     hosts = {MESH: tuple(ranks)}
-    job, width = environ.get("SLURM_JOB_ID", "0"), max(Counter(ranks).values()) * 2
-    default = _SLURM_PORTS[0] + (int(job) if job.isdigit() else 0) % max(_SLURM_PORTS[1] // width, 1) * width
-    return Placement("slurm", MESH, int(procid), hosts, _port(environ, default), _stand_in(environ))
+    port = _port(environ, _slurm_first_port(environ, span(hosts, cfg)))
+    return Placement("slurm", MESH, int(procid), hosts, port, _stand_in(environ))
+
+
+def _slurm_first_port(environ, width: int) -> int:
+    # Jobs that share a node take disjoint ranges: whole spans of this job's size.
+    job = environ.get("SLURM_JOB_ID", "0")
+    return _SLURM_PORTS[0] + (int(job) if job.isdigit() else 0) % max(_SLURM_PORTS[1] // width, 1) * width
 
 
 def placement_from_env(environ, cfg: Config) -> Placement | None:
@@ -283,10 +302,8 @@ def _from_slurm(environ, cfg: Config) -> Placement:
         raise ConfigError(f"SLURM_PROCID={procid} is rank {mine[1]} of island {mine[0]!r}, which the block "
                           f"distribution puts on {hosts[mine[0]][mine[1]]!r}, but it runs on {node!r} "
                           f"(SLURMD_NODENAME); launch with srun --distribution=block")
-    # Jobs that share a node take disjoint ranges: whole spans of this job's size.
-    job, width = environ.get("SLURM_JOB_ID", "0"), span(hosts, cfg)
-    default = _SLURM_PORTS[0] + (int(job) if job.isdigit() else 0) % max(_SLURM_PORTS[1] // width, 1) * width
-    return Placement("slurm", *mine, hosts, _port(environ, default), _stand_in(environ))
+    return Placement("slurm", *mine, hosts, _port(environ, _slurm_first_port(environ, span(hosts, cfg))),
+                     _stand_in(environ))
 
 
 # -- SLURM's notations -----------------------------------------------------------------
