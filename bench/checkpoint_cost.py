@@ -4,13 +4,14 @@
 
 In one process, with one compiled step, alternates rounds of `steps` training steps
 without saves (the baseline) and with an async save every `every` steps through
-hetjax.checkpoint.Manager (fingerprint, checksums, the host copy, and orbax's
-background write all included; the final wait is counted too). It reports two
-figures: the time the loop is blocked inside `Manager.save` (the copy off the
-devices; checksums and orbax's writing happen in background threads), and the
-time lost per save (with saves - without; on a few cores the background writer
-competes with the steps for the same cores). The last line is the blocking share:
-blocked time per save / median step time (target <= 5%).
+hetjax.checkpoint.Manager (checksums, the host copy, and orbax's background write
+all included; the final wait is counted too). It reports two figures: the time the
+loop is blocked inside `Manager.save` (dispatching one program that copies the state
+to host memory and hashes it, hetjax/checkpoint_copy.py; waiting for it, the
+checksums and orbax's writing happen in a background thread), and the time lost per
+save (with saves - without; on a few cores the copy, the hashing and the background
+writer compete with the steps for the same cores). The last line is the blocking
+share: blocked time per save / median step time (target <= 5%).
 """
 
 from __future__ import annotations

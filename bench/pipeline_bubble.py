@@ -11,6 +11,13 @@ schedule (and the interleaved ones with --virtual-stages chunks per stage), prin
 each one's predicted and measured bubble and ideal / measured (1.0 = no overhead
 beyond the schedule's bubble); the last line is the default schedule's unpipelined /
 pipelined step time (one minus its measured bubble).
+
+Before it, the cost of a zero-bubble (ZB-H1) schedule's split backward, as jax.vjp gives
+it: one stage's input-gradient and weight-gradient parts timed apart, each recomputing
+the stage as hetjax's backward does (and the weight part backpropagating through every
+layer of the stage again), against the fused backward, per micro-batch and stage. A
+split that costs more than the bubble it could fill cannot pay; a per-layer split that
+stashes each layer's input and output gradient would cost less, and is not built.
 """
 
 from __future__ import annotations
@@ -45,6 +52,38 @@ def build(cfg, devices):
     state, metrics = train_step(state, batch)  # compile
     jax.block_until_ready(metrics)
     return train_step, state, batch, prog.plan
+
+
+def split_backward_cost(model, rows: int, seq_len: int, device, repeats: int) -> dict[str, float]:
+    """Median seconds of one middle stage's forward, fused backward (recompute + both
+    gradients) and the two parts a zero-bubble schedule runs apart (each recomputes)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hetjax import state as state_lib
+    from hetjax.pipeline.stages import stage_forward
+    graphdef, params = nnx.split(state_lib.make_model(model, 0))
+    params = jax.device_put(params, device)
+    batch = {"positions": jnp.broadcast_to(jnp.arange(seq_len), (rows, seq_len)),
+             "segment_ids": jnp.ones((rows, seq_len), jnp.int32)}
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (rows, seq_len, model.embed_dim), model.dtype), device)
+    dy = jnp.ones_like(x)
+
+    def f(p, x):
+        return stage_forward(graphdef, p, x, batch, first=False, last=False)
+    programs = {"forward": jax.jit(lambda p, x, dy: f(p, x)),
+                "fused": jax.jit(lambda p, x, dy: jax.vjp(f, p, x)[1](dy)),
+                "input": jax.jit(lambda p, x, dy: jax.vjp(lambda x: f(p, x), x)[1](dy)),
+                "weight": jax.jit(lambda p, x, dy: jax.vjp(lambda p: f(p, x), p)[1](dy))}
+    times = {k: [] for k in programs}
+    for fn in programs.values():
+        jax.block_until_ready(fn(params, x, dy))  # compile
+    for _ in range(repeats):
+        for name, fn in programs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(params, x, dy))
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main(argv=None) -> int:
@@ -93,6 +132,15 @@ def main(argv=None) -> int:
         ideal = t_base / (1.0 - bubble)
         print(f"{plan.schedule.name:<22} {t_pipe * 1e3:8.1f} {bubble:18.1%} {1.0 - t_base / t_pipe:9.1%} "
               f"{ideal / t_pipe:15.3f}")
+    cost = split_backward_cost(dataclasses.replace(model, num_layers=model.num_layers // S), args.rows,
+                               base.seq_len, devices[0], 3 * args.repeats)
+    F = cost["forward"]
+    split = (cost["forward"] + cost["input"] + cost["weight"]) / (cost["forward"] + cost["fused"])
+    fused_bubble = pipeline.make_schedule("1f1b_fused", S, M).bubble_fraction(1.0, 3.0)
+    print(f"zero-bubble split backward by jax.vjp (one stage, per micro-batch): input-gradient part {cost['input'] / F:.2f} F, "
+          f"weight-gradient part {cost['weight'] / F:.2f} F, fused backward {cost['fused'] / F:.2f} F; forward + "
+          f"split / forward + fused = {split:.3f} (1f1b_fused's predicted bubble, which ZB-H1 would fill: "
+          f"{fused_bubble:.1%})")
     t_default = statistics.median(times[default.schedule, default.virtual_stages])
     print(f"default schedule ({default.schedule}, virtual_stages={default.virtual_stages}) unpipelined / "
           f"pipelined step time: {t_base / t_default:.3f}")

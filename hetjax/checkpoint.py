@@ -10,11 +10,11 @@ A checkpoint of step s (= optimizer steps taken) is one orbax step directory
   config     the resolved config that ran
   meta       step, the parameter fingerprint, and a checksum of every array
 
-Saves are asynchronous: `save` blocks only while arrays are copied to host memory,
-then orbax writes in a background thread and commits by an atomic rename, so a
-process killed mid-save leaves a temporary directory that is never read. Restoring
-targets ShapeDtypeStructs that carry the *current* mesh's shardings, so a
-checkpoint written on one layout loads onto another and each device reads only
+Saves are asynchronous: `save` only dispatches the copy of the arrays to host memory
+(and their checksums), then orbax writes in a background thread and commits by an
+atomic rename, so a process killed mid-save leaves a temporary directory that is never
+read. Restoring targets ShapeDtypeStructs that carry the *current* mesh's shardings,
+so a checkpoint written on one layout loads onto another and each device reads only
 its own shard. After reading, every array is checksummed again and compared with
 the checksum computed before the save, which catches damaged files that still
 decode; a checkpoint that fails to read or verify is moved aside (never deleted)
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import logging
 import time
 from pathlib import Path
 
@@ -34,18 +33,14 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_policy
 
-from hetjax import save_failures
+from hetjax import checkpoint_copy, orbax_noise, save_failures
 from hetjax.compile import aot
 from hetjax.checkpoint_config import CheckpointConfig
 from hetjax.errors import CheckpointError, ConfigError, CorruptCheckpoint  # noqa: F401 - raised here, caught by callers
 from hetjax.state import TrainState
-from hetjax.repro.digest import leaf_checksums, params_checksum, path_name, start_leaf_checksums
+from hetjax.repro.digest import leaf_checksums, params_checksum, path_name
 
 CORRUPT_DIR = "corrupt"  # sibling of the checkpoint directory: damaged steps go here
-
-# orbax warns on every read-only open that the directory is read only: hetjax asked for it.
-logging.getLogger("absl").addFilter(
-    lambda record: not str(record.msg).startswith("Given directory is read only"))
 
 
 # ---------------------------------------------------------------------------
@@ -104,11 +99,6 @@ def barriers_without_collectives() -> None:
     flags.FLAGS.experimental_orbax_use_distributed_barrier = True
 
 
-def _on_host(x: jax.Array):
-    """Where the copy of `x` that orbax writes lives: host memory, laid out as `x`."""
-    return x.sharding.with_memory_kind("pinned_host")
-
-
 def _json_restore(item: str):
     return _LaterJsonRestore() if item == "meta" else ocp.args.JsonRestore()
 
@@ -147,9 +137,10 @@ class Manager:
                 f"(or config.run_dir) to a writable directory") from e
         self._pending: int | None = None
         self._reported = False  # a save failure was raised to the caller already
-        self._causes = save_failures.FirstError(str(self.directory))
-        if not read_only:  # orbax's writing threads log their errors (removed in close())
-            logging.getLogger().addHandler(self._causes)
+        self._causes = orbax_noise.Reports(self.directory)
+        orbax_noise.install()  # before any read fails: wake-ups of orbax's closed loop are diverted
+        if not read_only:  # orbax's errors go to a file, its first cause to our error (see save_failures)
+            self._causes.start()
         self._handed: concurrent.futures.Future | None = None  # the last save given to it
 
     def steps(self) -> list[int]:
@@ -162,41 +153,36 @@ class Manager:
 
     def save(self, step: int, state: TrainState, data_state: dict, config: dict) -> None:
         """Starts an asynchronous save of `state` as checkpoint `step`; returns once the
-        arrays are copied to host memory. Raises CheckpointError if this save or the
-        previous asynchronous one failed."""
+        copy to host memory is dispatched (the state may be donated at once). Raises
+        CheckpointError if the previous save failed (or this one, when not asynchronous)."""
         self._raise_pending_errors()
-        # The checksums are dispatched now and finished in orbax's writing thread.
-        finish = start_leaf_checksums({"params": state.params, "opt_state": state.opt_state})
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
-        started = time.time()
-        # The copy off the devices, the only part the loop waits for: after it the
-        # state may be donated to the next step.
-        arrays = {"params": state.params, "opt_state": state.opt_state}
-        host = jax.block_until_ready(jax.device_put(arrays, jax.tree.map(_on_host, arrays)))
-
-        def meta() -> dict:
-            checksums = finish()
-            params_hashes = {k.removeprefix("params/"): v for k, v in checksums.items() if k.startswith("params/")}
-            return {"step": step, "params_checksum": params_checksum(shapes, params_hashes),
-                    "checksums": checksums, "time": started}
-        args = ocp.args.Composite(
-            params=ocp.args.StandardSave(host["params"]),
-            opt_state=ocp.args.StandardSave(host["opt_state"]),
-            data=ocp.args.JsonSave(dict(data_state)),
-            config=ocp.args.JsonSave(config),
-            meta=_LaterJsonSave(meta),
-        )
+        # The copy to host memory and the checksums' hashing, dispatched and not waited for:
+        # all the loop spends on a save (hetjax/checkpoint_copy.py).
+        host, checksums = checkpoint_copy.start({"params": state.params, "opt_state": state.opt_state})
         previous, self._pending = self._pending, step
-        # orbax first finishes the previous save: its failure is that step's.
-        self._handed = _ORBAX.submit(self._orbax_save, step, previous, args)
+        self._handed = _ORBAX.submit(self._orbax_save, step, previous, host, checksums,
+                                     dict(data_state), config, time.time())
         if not self.cfg.async_save:
             self.wait()
 
-    def _orbax_save(self, step: int, previous: int | None, args) -> None:
+    def _orbax_save(self, step: int, previous: int | None, host, checksums, data_state, config, started) -> None:
+        def meta() -> dict:  # called in orbax's writing thread, once the hashes are done
+            sums = checksums()
+            params_hashes = {k.removeprefix("params/"): v for k, v in sums.items() if k.startswith("params/")}
+            return {"step": step, "params_checksum": params_checksum(host["params"], params_hashes),
+                    "checksums": sums, "time": started}
+        args = ocp.args.Composite(
+            params=ocp.args.StandardSave(host["params"]), opt_state=ocp.args.StandardSave(host["opt_state"]),
+            data=ocp.args.JsonSave(data_state), config=ocp.args.JsonSave(config), meta=_LaterJsonSave(meta))
+        try:  # the previous save finished first: its failure is that step's
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as e:
+            raise self._save_error(previous if previous is not None else step, e) from e
         try:
             self._manager.save(step, args=args, force=True)
         except Exception as e:
-            raise self._save_error(previous or step, e) from e
+            raise self._save_error(step, e) from e
 
     def wait(self) -> None:
         """Blocks until the last save is committed; raises CheckpointError if it failed."""
@@ -252,12 +238,13 @@ class Manager:
             if not already:
                 raise
         finally:
-            logging.getLogger().removeHandler(self._causes)
             try:
                 self._manager.close()  # raises a failed save's error once more
             except Exception as e:
                 if not self._reported:
                     raise self._save_error(self._pending, e) from e
+            finally:
+                self._causes.stop()
 
     # -- restoring ---------------------------------------------------------
 
@@ -303,7 +290,7 @@ class Manager:
                 **{k: ocp.args.StandardRestore(aot.abstract(a, s)) for k, (a, s) in arrays.items()}))
         except Exception as e:
             message = f"{where} is unreadable ({type(e).__name__}: {e})"
-            _drop_abandoned_reads(e)
+            orbax_noise.close_abandoned_tasks(e)
             del e
             raise CorruptCheckpoint(message) from None
         expected = {k: v for k, v in small.meta.get("checksums", {}).items() if k.split("/")[0] in arrays}
@@ -425,21 +412,3 @@ def fresh_state(params, tx, shardings: TrainState) -> TrainState:
 
 def default_dir(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
-
-
-def _drop_abandoned_reads(error: BaseException) -> None:
-    """A failed orbax restore leaves its other shard reads unfinished, held by the error's
-    traceback; each raises the same damage again when collected, into whichever code (or
-    test) runs then. Finish them now, their repeats of the damage (reported once, by the
-    caller) dropped."""
-    import gc
-    import sys
-    import traceback
-    hook = sys.unraisablehook
-    sys.unraisablehook = lambda unraisable: None
-    try:
-        traceback.clear_frames(error.__traceback__)
-        error.__traceback__ = error.__cause__ = error.__context__ = None
-        gc.collect()
-    finally:
-        sys.unraisablehook = hook

@@ -1,15 +1,17 @@
 """Why a checkpoint save failed, in one line: the first cause orbax's writing threads
-logged (orbax often raises only a generic error), the checkpoint kept, and a hint."""
+logged (orbax often raises only a generic error), the checkpoint kept, a hint, and
+where orbax's own reports of it went (hetjax/orbax_noise.py).
+"""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from hetjax.errors import CheckpointError
+from hetjax.orbax_noise import Reports
 
 
-def error(directory: Path, step, raised: BaseException, causes: "FirstError") -> CheckpointError:
+def error(directory: Path, step, raised: BaseException, causes: Reports) -> CheckpointError:
     """The error to raise for the failed save of `step`. Never raises itself: it only
     lists step directories."""
     cause = _root_cause(raised) or causes.first() or f"{type(raised).__name__}: {raised}"
@@ -19,27 +21,9 @@ def error(directory: Path, step, raised: BaseException, causes: "FirstError") ->
     except OSError:
         good = []
     kept = f"the previous checkpoint (step {max(good)}) is untouched" if good else "no earlier checkpoint exists"
-    return CheckpointError(f"saving checkpoint step {step} to {directory} failed: {cause}; {kept}. {_hint(cause)}")
-
-
-class FirstError(logging.Handler):
-    """Keeps the first error logged (by orbax's background threads) about `directory`."""
-
-    def __init__(self, directory: str):
-        super().__init__(logging.ERROR)
-        self.directory, self._first = directory, None
-
-    def emit(self, record) -> None:
-        if self._first is None:
-            text = record.getMessage()
-            if " raised an exception: " in text or self.directory in text:
-                self._first = text.split(" raised an exception: ", 1)[-1]
-
-    def first(self) -> str | None:
-        return self._first
-
-    def clear(self) -> None:
-        self._first = None
+    more = f" (orbax's reports: {causes.path})" if causes.path.is_file() else ""
+    return CheckpointError(f"saving checkpoint step {step} to {directory} failed: {cause}; {kept}. "
+                           f"{_hint(cause)}{more}")
 
 
 def _root_cause(error: BaseException) -> str | None:

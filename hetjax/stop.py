@@ -20,26 +20,17 @@ INTERRUPTED = 130  # after Ctrl-C: 128 + 2
 _AT_ONCE = b"interrupted twice (Ctrl-C): exiting at once; the last completed checkpoint is kept\n"
 
 
-def agreed(requested: bool) -> bool:
+class Agreement:
     """Whether any process of this jax.distributed world asked to stop. Every process must
     stop at the same step (a save is collective), and a signal reaches them at different
-    times; so this is a collective too, called by every process once per step. It waits
-    for the device queue to drain: a loop that dispatches ahead uses Agreement instead."""
-    import jax
-    if jax.process_count() == 1:
-        return requested
-    import numpy as np
-    from jax.experimental import multihost_utils
-    return bool(multihost_utils.process_allgather(np.int32(requested)).max())
+    times; so this is a collective, proposed by every process once per step.
 
-
-class Agreement:
-    """`agreed` for a loop that dispatches ahead: `propose(requested)` before a step queues
-    the collective behind the steps already queued (nothing waits), and `result()` after
-    the step reads it. The result waits only for the steps before the proposal, which the
-    loop has waited for already when it reads their metrics, so the step just dispatched
-    keeps the device busy meanwhile; a blocking allgather before every step left the
-    device idle while the host dispatched the next one."""
+    `propose(requested)` before a step queues the collective behind the steps already
+    queued (nothing waits), and `result()` after the step reads it. The result waits only
+    for the steps before the proposal, which the loop has waited for already when it
+    reads their metrics, so the step just dispatched keeps the device busy meanwhile; a
+    blocking allgather before every step left the device idle while the host dispatched
+    the next one."""
 
     def __init__(self, mesh):
         import jax
@@ -59,6 +50,17 @@ class Agreement:
         mine = np.full(len(self._mesh.local_devices), requested, np.int32)
         flags = jax.make_array_from_process_local_data(self._flags, mine, (self._mesh.size,))
         self._pending = self._any(flags)
+
+    def passed_on(self, requested: bool) -> bool:
+        """For a loop that must put the decision into the step it dispatches next (islands
+        send it to their peers): the last proposal's agreement, then proposes `requested`.
+        So with several processes a stop takes one step more; with one, it is `requested`."""
+        import jax
+        if jax.process_count() == 1:
+            return requested
+        decided = self.result()
+        self.propose(requested)
+        return decided
 
     def result(self) -> bool:
         """Whether any process proposed to stop at the last proposal: the same on every process."""

@@ -12,9 +12,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 COMMANDS = ["hetjax.train", "hetjax.data.prepare", "launch.local", "hetjax.compile", "hetjax.plan",
             "hetjax.pipeline", "hetjax.repro", "hetjax.convert", "hetjax.transfer.probe",
-            "hetjax.hetero.linkcheck", "hetjax.hetero.timeline", "hetjax.plot", "bench.step_overhead",
-            "bench.checkpoint_cost", "bench.data_throughput", "bench.gpu_step", "bench.hetero_vs_homogeneous",
-            "bench.pipeline_bubble", "bench.transfer_bandwidth"]
+            "hetjax.hetero.linkcheck", "hetjax.hetero.timeline", "hetjax.hetero.checkpoints", "hetjax.plot",
+            "bench.step_overhead", "bench.checkpoint_cost", "bench.data_throughput", "bench.gpu_step",
+            "bench.hetero_vs_homogeneous", "bench.multiprocess_overhead", "bench.pipeline_bubble",
+            "bench.prepare_throughput", "bench.transfer_bandwidth"]
 
 # Runs a module as `python -m` would, with some imports made to fail as if not installed.
 BLOCKED = """

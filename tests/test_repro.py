@@ -14,7 +14,7 @@ from flax import nnx
 
 from hetjax import data, program, sharding
 from hetjax import state as state_lib
-from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, load
+from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, load, validate
 from hetjax.mesh import make_mesh
 from hetjax.optim import learning_rate_schedule
 from hetjax.pipeline.stages import make_layout, map_blocks, to_stages
@@ -111,6 +111,15 @@ def test_layouts_are_parsed_and_bad_ones_refused():
     if importlib.util.find_spec("hetjax.hetero") is None:
         with pytest.raises(ConfigError, match="hetjax.hetero"):
             check.layout("islands=2", {"islands": 2}, CFG, 8)
+        return
+    # Islands with interleaved chunks: each of 2 islands holds 2 chunks of the 4 layers.
+    (name, sizes), = check.parse("islands=2,virtual_stages=2; fsdp=8")[:1]
+    four = load("tiny", {"model.num_layers": "4"})
+    got = load(check.layout(name, sizes, four, 8, "tiny").config, {"model.num_layers": "4"})
+    validate(got)
+    assert (len(got.hetero.islands), got.pipeline.virtual_stages, got.pipeline.schedule) == (2, 2, "1f1b_fused")
+    with pytest.raises(ConfigError, match="islands=2,virtual_stages=2: config.model.num_layers=3"):
+        check.layout(name, sizes, CFG, 8, "tiny")
 
 
 # ---------------------------------------------------------------------------

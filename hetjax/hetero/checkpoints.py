@@ -1,9 +1,29 @@
 """An islands job's checkpoints: one orbax manager per island, and the steps that
-count (those every island holds)."""
+count (those every island holds); and, for pipeline placement, the islands' parts
+(parameters and optimizer state) put back together in the model's layout on the
+host (model_state), which save_state writes as a one-mesh checkpoint that a one-mesh
+run resumes from and any layout reads (config.init_from): islands hold their layers
+in their own order (interleaved chunks, hetjax.hetero.island.chunks_of), so their
+checkpoints are not read as the model's directly, nor with another layer placement
+(check_placement).
+"""
 
 from __future__ import annotations
 
-from hetjax import checkpoint
+import dataclasses
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from hetjax import checkpoint, optim
+from hetjax import state as state_lib
+from hetjax.config import to_dict
+from hetjax.errors import ConfigError
+from hetjax.hetero import island as island_lib
+from hetjax.hetero.config import HeteroConfig
+from hetjax.hetero.placement import island_layers
+from hetjax.pipeline.stages import permute_layers
 
 
 class Checkpoints:
@@ -67,3 +87,172 @@ class Checkpoints:
             for w in job.workers:  # someone could not read it: set it aside everywhere
                 if step in w.manager.steps():
                     w.manager.move_aside(step, log)
+
+
+def check_placement(cfg, saved: dict | None, where: str) -> None:
+    """Raises ConfigError when the config that wrote an islands checkpoint (`saved`, its
+    config item) placed the layers otherwise than `cfg`: the islands' parts can have the
+    same shapes and hold other layers (virtual_stages 1 and 2 both give island 0 of 2
+    two of 4 layers), which neither the shapes nor the checksums would notice."""
+    if cfg.hetero.placement != "pipeline" or not saved or "hetero" not in saved:
+        return
+    h, theirs = cfg.hetero, saved["hetero"]
+    for field, was, now in (
+            ("config.hetero.placement", theirs.get("placement", "pipeline"), h.placement),
+            ("config.hetero.islands (their number)", len(theirs.get("islands", ())), len(h.islands)),
+            ("config.pipeline.virtual_stages", saved.get("pipeline", {}).get("virtual_stages", 1),
+             cfg.pipeline.virtual_stages),
+            ("config.hetero.island_layers", tuple(theirs.get("island_layers", ())), tuple(h.island_layers))):
+        if was != now:
+            raise ConfigError(
+                f"{where} was written with {field}={was!r} but this config has {now!r}: its islands hold "
+                f"other layers than this config places there; set {field} back to {was!r}")
+
+
+def check_saved_placement(cfg, names) -> None:
+    """check_placement for every readable checkpoint of the islands `names` in the job's
+    checkpoint directory: run before the islands are built, so a resume with another
+    layer placement stops before anything is compiled. (Unreadable ones are left to
+    restore_latest, which sets them aside.)"""
+    for name in names:
+        directory = checkpoint.default_dir(cfg) / name
+        if not directory.is_dir():
+            continue
+        manager = checkpoint.Manager(directory, read_only=True)
+        try:
+            for step in manager.steps():
+                try:
+                    saved = manager.read_json(step, "config").get("config")
+                except checkpoint.CorruptCheckpoint:
+                    continue
+                check_placement(cfg, saved, manager.where(step))
+        finally:
+            manager.close()
+
+
+def _param_name(path) -> str | None:
+    """The parameter a leaf of a train state belongs to (its params, or an optimizer slot
+    that mirrors them); None for the others (Adam's step count)."""
+    for key in path:
+        name = getattr(key, "key", getattr(key, "name", None))
+        if name == island_lib.BLOCKS or name == island_lib.EMBED or name in island_lib.HEAD:
+            return name
+    return None
+
+
+def model_state(cfg, directory, step: int | None = None, log=print):
+    """(step, the model-layout train state as host numpy arrays, the data state) of a
+    pipeline-placement islands job's checkpoint `step` (default: the newest every island
+    holds) in `directory` (its run_dir/checkpoints), read verified onto the CPU."""
+    h, n, tied = cfg.hetero, len(cfg.hetero.islands), cfg.model.tie_embeddings
+    if h.placement != "pipeline" or h.auto_split:
+        raise ConfigError(
+            f"config.hetero.placement={h.placement!r}, auto_split={h.auto_split}: only pipeline placement with a "
+            f"configured split is put back together (a data-placement island's checkpoint is the model's already)")
+    _, whole = state_lib.abstract_state(cfg.model, cfg.seed, optim.make_optimizer(cfg.optim, cfg.steps))
+    itx = optim.make_optimizer(island_lib.island_config(cfg, 0).optim, cfg.steps)
+    chunks = island_lib.held_layers(cfg, island_layers(cfg))
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])  # a whole model fits no one device
+    managers = [checkpoint.Manager(Path(directory) / spec.name, read_only=True) for spec in h.islands]
+    try:
+        common = sorted(set.intersection(*(set(m.steps()) for m in managers)))
+        if step is None and not common or step is not None and step not in common:
+            raise checkpoint.CheckpointError(f"{directory}: no checkpoint step {step if step is not None else ''} "
+                                             f"that every island holds (they hold {common})")
+        step = common[-1] if step is None else step
+        parts = []
+        for k, manager in enumerate(managers):
+            check_placement(cfg, manager.read_json(step, "config").get("config"), manager.where(step))
+            params = jax.eval_shape(lambda p, k=k: island_lib.part(p, k, n, chunks[k], tied), whole.params)
+            items = {"params": params, "opt_state": jax.eval_shape(itx.init, params)}
+            small, arrays = manager.read(step, {i: (a, jax.tree.map(lambda _: cpu, a)) for i, a in items.items()},
+                                         json_items=("data",))
+            parts.append({i: jax.tree.map(np.asarray, arrays[i]) for i in items})
+            if k == 0:  # every island saves the same data state
+                data_state = small.get("data")
+            log(f"read island {h.islands[k].name}'s part of {manager.where(step)}")
+    finally:
+        for manager in managers:
+            manager.close()
+
+    def join(path, *held):
+        name = _param_name(path)
+        if name == island_lib.BLOCKS:  # each island's layers, one island after the other
+            return np.concatenate(held)
+        # A shared leaf (every holder keeps the same copy), or one every island has (Adam's count).
+        return held[0] if name is None else held[island_lib.holders(name, n, tied)[0]]
+    joined = permute_layers(jax.tree_util.tree_map_with_path(join, *parts),  # back to the model's order
+                            np.argsort(np.concatenate([island_lib.layer_index(c) for c in chunks])))
+    # The islands' optimizer leaves no gradient clipping to adam (hetero.update): the same
+    # leaves, in the one-mesh optimizer's structure.
+    leaves, like = jax.tree.leaves(joined["opt_state"]), jax.tree.leaves(whole.opt_state)
+    assert [x.shape for x in leaves] == [x.shape for x in like], "optimizer states differ beyond clipping"
+    opt_state = jax.tree.unflatten(jax.tree.structure(whole.opt_state), leaves)
+    state = state_lib.TrainState(step=np.asarray(step, np.int32), params=joined["params"], opt_state=opt_state)
+    return step, state, data_state
+
+
+def model_params(cfg, directory, step: int | None = None, log=print):
+    """(step, the model-layout parameters: host arrays in the model's nnx.State structure);
+    see model_state."""
+    step, state, _ = model_state(cfg, directory, step, log)
+    return step, state.params
+
+
+def one_mesh_config(cfg):
+    """The config of the islands job's model on one mesh: what a converted checkpoint
+    records as the config that wrote it."""
+    return dataclasses.replace(cfg, hetero=HeteroConfig(),
+                               pipeline=dataclasses.replace(cfg.pipeline, virtual_stages=1))
+
+
+def save_state(cfg, state, data_state, directory, step: int) -> None:
+    """Writes a model-layout train state (model_state) as a one-mesh checkpoint `step` in
+    `directory`: a one-mesh run resumes from it (as its checkpoint.dir), and
+    config.init_from reads its parameters into any layout."""
+    state = jax.device_put(state, jax.devices("cpu")[0])
+    manager = checkpoint.Manager(directory, dataclasses.replace(cfg.checkpoint, async_save=False))
+    try:
+        manager.save(step, state, data_state or {}, to_dict(one_mesh_config(cfg)))
+        manager.wait()
+    finally:
+        manager.close()
+
+
+def main(argv=None) -> int:
+    """`python -m hetjax.hetero.checkpoints --config CONFIG --checkpoints=RUN_DIR/checkpoints
+    --out=DIR [--step=N]`: an islands job's checkpoint (pipeline placement, interleaved or
+    not) as a one-mesh checkpoint in DIR, optimizer state included: `--config.init_from=DIR/N`
+    reads it into any layout, and a one-mesh run with `--config.checkpoint.dir=DIR` resumes it.
+    The config must place the layers as the one that wrote it (check_placement).
+
+    example:
+      python -m hetjax.hetero.checkpoints --config configs/tiny_hetero.py
+          --checkpoints=runs/tiny_hetero/checkpoints --out=runs/tiny_hetero/model"""
+    import sys
+
+    from hetjax import cli
+    from hetjax.config import load, validate
+
+    def run():
+        line = cli.parse_command_line(sys.argv[1:] if argv is None else argv, flags=(),
+                                      options={"checkpoints": "", "out": "", "step": ""}, doc=main.__doc__)
+        cfg = load(line.config, line.overrides)
+        validate(cfg)
+        opts = line.options
+        if not opts["checkpoints"] or not opts["out"]:
+            raise ConfigError("--checkpoints and --out are required: the islands job's RUN_DIR/checkpoints "
+                              "and a new folder for the one-mesh checkpoint")
+        if opts["step"] and not opts["step"].isdigit():
+            raise ConfigError(f"--step={opts['step']!r}: give a checkpoint step, a whole number (e.g. "
+                              f"--step=2), or leave --step out for the newest step every island holds")
+        step, state, data_state = model_state(cfg, opts["checkpoints"], int(opts["step"]) if opts["step"] else None)
+        save_state(cfg, state, data_state, opts["out"], step)
+        print(f"wrote {Path(opts['out']).absolute() / str(step)} (model layout, optimizer state "
+              f"included; --config.init_from reads it, a one-mesh run resumes from it)")
+        return 0
+    return cli.run_main(run, errors=(checkpoint.CheckpointError,))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -101,10 +101,13 @@ def validate_hetero(cfg) -> None:
     if h.placement == "pipeline":
         if n < 2:
             raise ConfigError("config.hetero.placement='pipeline' needs at least 2 islands (one per stage)")
-        if cfg.pipeline.virtual_stages != 1:
-            raise ConfigError(f"config.pipeline.virtual_stages={cfg.pipeline.virtual_stages} with "
-                              f"config.hetero.placement='pipeline': islands hold one chunk of layers "
-                              f"each for now; set virtual_stages=1")
+        V = cfg.pipeline.virtual_stages
+        if V != 1 and (h.island_layers or h.auto_split or cfg.model.num_layers % (n * V)):
+            raise ConfigError(f"config.pipeline.virtual_stages={V} with config.hetero.placement='pipeline': "
+                              f"each of the {n} islands holds {V} equal chunks of layers, so "
+                              f"config.model.num_layers={cfg.model.num_layers} must be a multiple of {n * V} "
+                              f"and config.hetero.island_layers / auto_split unset; change them or set "
+                              f"virtual_stages=1")
         for k, island in enumerate(h.islands):
             if island.mesh.pipeline != 1:
                 raise ConfigError(
@@ -138,10 +141,10 @@ def validate_hetero(cfg) -> None:
             raise ConfigError(f"config.model.num_layers={cfg.model.num_layers} is fewer than the {n} "
                               f"islands of placement='pipeline'; every island needs a layer")
         schedule = cfg.pipeline.schedule
-        if schedule not in ("gpipe", "1f1b"):
+        if V == 1 and schedule not in ("gpipe", "1f1b"):  # V > 1: gpipe or 1f1b_fused (validate_pipeline)
             raise ConfigError(f"config.pipeline.schedule={schedule!r} across islands: use 'gpipe' or "
                               f"'1f1b' (islands run their own operations without lockstep ticks)")
-        if schedule == "1f1b" and cfg.pipeline.microbatches < n:
+        if schedule.startswith("1f1b") and cfg.pipeline.microbatches < n:
             raise ConfigError(f"config.pipeline.microbatches={cfg.pipeline.microbatches} is below the {n} "
                               f"islands: 1F1B never fills the pipeline; use at least {n}")
         if cfg.batch_size % cfg.pipeline.microbatches:

@@ -3,7 +3,9 @@ any island's arrays are laid out, so that an island can plan a transfer to a pee
 whose devices it cannot see.
 
 Pipeline placement: island k holds the contiguous layers [start, stop) of the
-stacked blocks, plus the embedding if it is the first island and the final norm
+stacked blocks (with config.pipeline.virtual_stages = V > 1: the V chunks v*n + k of
+n*V equal ones, one after the other, so that a micro-batch goes round the islands V
+times), plus the embedding if it is the first island and the final norm
 and the head if it is the last (a tied embedding sits on both and its gradients
 are added across them). The leaves an island does not use are one-element
 placeholders, so every island's parameter tree has the model's structure (the
@@ -28,7 +30,7 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from hetjax import checkpoint, memory, optim, program, sharding
+from hetjax import checkpoint, memory, optim, program, repro, sharding
 from hetjax import state as state_lib
 from hetjax.config import Config
 from hetjax.errors import ConfigError
@@ -39,7 +41,7 @@ from hetjax.hetero import timeline as timeline_lib
 from hetjax.profiler import parse_window
 from hetjax.mesh import resolve_shape
 from hetjax.pipeline.spmd import Plan
-from hetjax.pipeline.stages import to_stages
+from hetjax.pipeline.stages import chunk_of, permute_layers, to_stages
 from hetjax.transfer.plan import Layout
 from hetjax.models.llama import BLOCKS, EMBED, HEAD
 
@@ -128,16 +130,43 @@ def holders(name: str, n: int, tied: bool) -> list[int]:
     return [k for k in range(n) if uses(name, k, n, tied)]
 
 
-def part(params, k: int, n: int, layers: tuple[int, int], tied: bool):
-    """Island k's part of model-layout params: its layers, and one-element
-    placeholders for the non-block leaves it does not use (orbax saves no empty arrays)."""
-    start, stop = layers
+def chunks_of(cfg, k: int, layers: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """The model layers island k holds, as [start, stop) ranges in its storage order:
+    `layers` (its share) when V = config.pipeline.virtual_stages is 1, else its V
+    chunks v*n + k (virtual stage v*n + k) of n*V equal ones."""
+    V, n = cfg.pipeline.virtual_stages, len(cfg.hetero.islands)
+    if V == 1:
+        return (tuple(layers),)
+    size = cfg.model.num_layers // (n * V)
+    return tuple(((v * n + k) * size, (v * n + k + 1) * size) for v in range(V))
+
+
+def held_layers(cfg, split) -> list[tuple[tuple[int, int], ...]]:
+    """Every island's held layers (chunks_of), given the layers per island `split`
+    (hetjax.hetero.placement.island_layers): island k's share is the k-th run of them."""
+    bounds = np.concatenate([[0], np.cumsum(split)])
+    return [chunks_of(cfg, k, (int(bounds[k]), int(bounds[k + 1]))) for k in range(len(split))]
+
+
+def layer_index(chunks: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """The model layers held, one per stored layer: stages.permute_layers with it takes
+    an island's layers out of model-layout blocks; with its argsort, concatenated
+    islands' layers back to the model's order."""
+    return np.concatenate([np.arange(a, b) for a, b in chunks])
+
+
+def part(params, k: int, n: int, chunks: tuple[tuple[int, int], ...], tied: bool):
+    """Island k's part of model-layout params: its layers (`chunks`, see chunks_of), and
+    one-element placeholders for the non-block leaves it does not use (orbax saves no
+    empty arrays)."""
+    # One run of layers is a slice, not a gather.
+    held = permute_layers(params, slice(*chunks[0]) if len(chunks) == 1 else layer_index(chunks))
 
     def other(path, x):
         return x if uses(top_name(path), k, n, tied) else jnp.zeros((1,) * x.ndim, x.dtype)
 
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: x[start:stop] if top_name(p) == BLOCKS else other(p, x), params)
+        lambda p, x: x if top_name(p) == BLOCKS else other(p, x), held)
 
 
 def counts(name: str, k: int, n: int, tied: bool) -> bool:
@@ -179,7 +208,9 @@ class Island:
     batch_shardings: dict[str, NamedSharding]
     memory: memory.Estimate  # what the island's part needs per device
     timeline: timeline_lib.Timeline  # where its programs' dispatch time goes
-    layers: tuple[int, int] | None = None  # pipeline placement
+    # Pipeline placement: the model layers held, in storage order (chunks_of); () for data
+    # placement. (A speed-proportional share is what it holds only when virtual_stages is 1.)
+    chunks: tuple[tuple[int, int], ...] = ()
     rows: tuple[int, int] | None = None  # data placement
     plan: Plan | None = None  # the island's own pipeline (data placement, mesh.pipeline > 1)
 
@@ -200,7 +231,7 @@ class Island:
         return self.index == self.count - 1
 
     def describe(self) -> str:
-        where = (f"layers {self.layers[0]}..{self.layers[1] - 1}" if self.layers is not None
+        where = ("layers " + ", ".join(f"{a}..{b - 1}" for a, b in self.chunks) if self.chunks
                  else f"rows {self.rows[0]}..{sum(self.rows) - 1} of each batch")
         mesh = " x ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
         spec = self.geometry.spec
@@ -240,7 +271,7 @@ class Island:
 
     def create_state(self) -> state_lib.TrainState:
         """The island's part of the same initial weights a one-island run starts from."""
-        return jax.jit(lambda: _init_part(self.cfg, self.tx, self.index, self.layers, self.plan),
+        return jax.jit(lambda: _init_part(self.cfg, self.tx, self.index, self.chunks or None, self.plan),
                        out_shardings=self.shardings)()
 
     def init_from(self, path: str) -> state_lib.TrainState:
@@ -249,28 +280,43 @@ class Island:
         _, whole = state_lib.abstract_state(self.cfg.model, self.cfg.seed, self.tx)
         shardings = state_lib.state_shardings(whole.params, self.mesh, self.rules)
         params = checkpoint.load_params(path, whole.params, shardings)
-        params = jax.jit(lambda p: _part_of(self.cfg, self.index, self.layers, self.plan, p),
+        params = jax.jit(lambda p: _part_of(self.cfg, self.index, self.chunks or None, self.plan, p),
                          out_shardings=self.shardings.params)(params)
         return checkpoint.fresh_state(params, self.tx, self.shardings)
 
 
-def _part_of(cfg, k: int, layers: tuple[int, int] | None, plan: Plan | None, params):
-    """Island k's part of model-layout params, in its layout."""
-    if layers is not None:
-        return part(params, k, len(cfg.hetero.islands), layers, cfg.model.tie_embeddings)
+    def fingerprint(self, params):
+        """hetjax.repro's fingerprint of (a subset of) this island's parameters, its layers
+        numbered as the model's (pipeline placement)."""
+        if len(self.chunks) == 1:
+            return repro.param_fingerprint(params, layer_offset=self.chunks[0][0])
+        total = repro.ParamFingerprint({})
+        for v, (start, stop) in enumerate(self.chunks):
+            # Chunk v's layers; the other leaves are counted once, with chunk 0.
+            chunk = [(p, x) for p, x in nnx.to_flat_state(chunk_of(params, v, stop - start))
+                     if v == 0 or p[0] == BLOCKS]
+            total = total + repro.param_fingerprint(nnx.from_flat_state(chunk), layer_offset=start)
+        return total
+
+
+def _part_of(cfg, k: int, chunks, plan: Plan | None, params):
+    """Island k's part of model-layout params, in its layout (chunks: pipeline placement's)."""
+    if chunks is not None:
+        return part(params, k, len(cfg.hetero.islands), chunks, cfg.model.tie_embeddings)
     if plan is not None:
         return to_stages(params, plan.layout)
     return params
 
 
-def _init_part(cfg, tx, k: int, layers, plan) -> state_lib.TrainState:
+def _init_part(cfg, tx, k: int, chunks, plan) -> state_lib.TrainState:
     _, params = nnx.split(state_lib.make_model(cfg.model, cfg.seed))
-    params = _part_of(cfg, k, layers, plan, params)
+    params = _part_of(cfg, k, chunks, plan, params)
     return state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
-def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island:
-    """Island k on `devices` (its mesh); `layers`: its range for pipeline placement.
+def build(cfg, k: int, devices, chunks: tuple[tuple[int, int], ...] = ()) -> Island:
+    """Island k on `devices` (its mesh); `chunks`: the layers it holds for pipeline
+    placement (held_layers).
     Checks that its part splits over its mesh (ConfigError naming the field) and fits
     its devices (DoesNotFit), before anything is allocated."""
     spec = cfg.hetero.islands[k]
@@ -281,13 +327,14 @@ def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island
     mesh = make_mesh(geo, devices)
     icfg = island_config(cfg, k)
     rows = plan = None
-    if layers is not None:
+    held = sum(b - a for a, b in chunks)
+    if chunks:
         rules = cfg.sharding.rules
-        dims = {**cfg.model.dims(), "layers": ("hetero.island_layers", layers[1] - layers[0])}
+        dims = {**cfg.model.dims(), "layers": ("hetero.island_layers", held)}
         sharding.check_divisible(dims, rules, mesh)
         tx = optim.make_optimizer(icfg.optim, cfg.steps)
         graphdef, _ = state_lib.abstract_state(cfg.model, cfg.seed, tx)
-        abstract = jax.eval_shape(lambda: _init_part(cfg, tx, k, layers, None))
+        abstract = jax.eval_shape(lambda: _init_part(cfg, tx, k, chunks, None))
         batch_sh = program.batch_shardings(mesh, rules)
         replicated = NamedSharding(mesh, PartitionSpec())
         # Placeholders (and their Adam moments) are replicated scalars.
@@ -306,8 +353,8 @@ def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island
     # The island's part must fit its devices: say what it needs before allocating.
     real = [(p, v) for p, v in nnx.to_flat_state(abstract.params) if not _placeholder(v.get_value())]
     layouts = sharding.param_layouts(nnx.from_flat_state(real), mesh, rules)
-    part_cfg = icfg if layers is None else dataclasses.replace(
-        icfg, model=dataclasses.replace(cfg.model, num_layers=layers[1] - layers[0]))
+    part_cfg = icfg if not chunks else dataclasses.replace(
+        icfg, model=dataclasses.replace(cfg.model, num_layers=held))
     estimate = memory.estimate(part_cfg, layouts, mesh)
     try:
         memory.check_fits(part_cfg, estimate, mesh)
@@ -316,7 +363,7 @@ def build(cfg, k: int, devices, layers: tuple[int, int] | None = None) -> Island
     timeline = timeline_lib.Timeline(spec.name, k, 0 if cfg.hetero.virtual else jax.process_index(),
                                      parse_window(cfg.profile_steps))
     return Island(cfg, k, geo, mesh, icfg, rules, tx, graphdef, abstract, shardings, batch_sh, estimate,
-                  timeline, layers=layers, rows=rows, plan=plan)
+                  timeline, chunks=chunks, rows=rows, plan=plan)
 
 
 def _placeholder(x) -> bool:

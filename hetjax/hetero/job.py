@@ -31,7 +31,7 @@ from hetjax import state as state_lib
 from hetjax.compile import backend
 from hetjax.errors import ConfigError, IslandLost
 from hetjax.hetero import island as island_lib
-from hetjax.hetero.checkpoints import Checkpoints
+from hetjax.hetero.checkpoints import Checkpoints, check_saved_placement
 from hetjax.hetero import placement
 from hetjax.hetero import runtime
 from hetjax.hetero import scheduler
@@ -143,13 +143,13 @@ class Worker:
         """{tensor: (hash, norm)} of the parameters this island counts (hetjax.repro): its
         layers, and a shared or replicated tensor on one island only."""
         isl = self.island
-        if isl.layers is None:  # data placement: every island holds the same whole model
+        if not isl.chunks:  # data placement: every island holds the same whole model
             part = repro.param_fingerprint(state.params) if isl.first else repro.ParamFingerprint({})
         else:
             n, tied = isl.count, isl.cfg.model.tie_embeddings
             kept = [(p, v) for p, v in nnx.to_flat_state(state.params)
                     if island_lib.counts(p[0], isl.index, n, tied)]
-            part = repro.param_fingerprint(nnx.from_flat_state(kept), layer_offset=isl.layers[0])
+            part = isl.fingerprint(nnx.from_flat_state(kept))
         return {k: (t.hash, t.norm) for k, t in part.tensors.items()}
 
     def train_step(self, state, batch, step: int, stop: bool):
@@ -201,7 +201,7 @@ class IslandsJob:
         self._links = list(links.values())
         meshes = {k: island_lib.make_mesh(island_lib.geometry(cfg, k), devices[k]) for k in local}
         self._run(local, lambda k: check_config(cfg, links[k], meshes[k]))
-        layers = [None] * n
+        layers = [()] * n  # the layers each island holds (pipeline placement)
         if h.placement == "pipeline":
             speeds = None
             if h.auto_split:
@@ -210,14 +210,14 @@ class IslandsJob:
                 speeds = placement.balance(times[:, 0].tolist())
                 log("auto_split: seconds per layer " + ", ".join(
                     f"{i.name} {t:.4g}" for i, t in zip(h.islands, times[:, 0])))
-            split = placement.island_layers(cfg, speeds)
-            bounds = np.concatenate([[0], np.cumsum(split)])
-            layers = [(int(bounds[k]), int(bounds[k + 1])) for k in range(n)]
+            layers = island_lib.held_layers(cfg, placement.island_layers(cfg, speeds))
+        check_saved_placement(cfg, [h.islands[k].name for k in local])  # before compiling
         self.workers = self._run(local, lambda k: Worker(cfg, k, devices[k], layers[k], dataset, links[k]))
         for w in self.workers:
             log(w.island.describe())
         self.checkpoints = Checkpoints(self)
         self._stop = threading.Event()  # this process's request (SIGTERM)
+        self._agreement = stop_lib.Agreement(self.workers[0].island.mesh)  # several processes: one island
         self.stop_requested = False  # every island's, agreed at the last step
         self.peak, self.peak_source = metrics_lib.peak_flops(cfg, [d for k in local for d in devices[k]])
         restored = self.checkpoints.restore_latest([w.island.abstract for w in self.workers],
@@ -296,7 +296,7 @@ class IslandsJob:
 
     def train_step(self, states, batches):
         step = self.step_count
-        stop = stop_lib.agreed(self._stop.is_set())  # by every process of the island's world
+        stop = self._agreement.passed_on(self._stop.is_set())  # by every process of the island's world
         out = self._each(lambda w, s, b: w.train_step(s, b, step, stop), states, batches)
         self.step_count += 1
         self.stop_requested = bool(np.any([o[2] for o in out]))

@@ -4,6 +4,11 @@ ticks. Activations go forward and their gradients backward through the transfer
 primitive. Receives are posted when the step starts and sends return at once, so
 the links work while the island computes; an island waits only for the input its
 next operation needs. Each island compiles only its own stage programs.
+
+Interleaved stages (config.pipeline.virtual_stages = V > 1): island k holds chunks
+v*n + k (hetjax.hetero.island.chunks_of) and runs each as virtual stage j = v*n + k:
+its input comes from virtual stage j-1 (the last island's chunk v-1 for island 0) and
+its output gradient from j+1. Each chunk has its own forward and backward programs.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from hetjax.compile import aot
 from hetjax.hetero import island as island_lib
 from hetjax.hetero.update import add_in_order, make_apply, sum_of_squares
 from hetjax.pipeline.schedule import forward_only, make_schedule
-from hetjax.pipeline.stages import stage_backward, stage_forward
+from hetjax.pipeline.stages import add_chunk, chunk_of, stage_backward, stage_forward
 from hetjax.step import split_micro
 
 
@@ -27,12 +32,13 @@ class PipelineStage:
     def __init__(self, island: island_lib.Island, links):
         self.island, self.links = island, links
         cfg, k, n = island.cfg, island.index, island.count
-        self.M = cfg.pipeline.microbatches
-        self.ops = make_schedule(cfg.pipeline.schedule, n, self.M).ops(k)
-        self.eval_ops = [("F", int(m)) for m in forward_only(n, self.M)[0][:, k] if m >= 0]
+        self.M, V = cfg.pipeline.microbatches, cfg.pipeline.virtual_stages
+        self.V, self.J = V, n * V  # chunks per island, virtual stages
+        self.ops = make_schedule(cfg.pipeline.schedule, n, self.M, V).ops(k)
+        table, chunks = forward_only(n, self.M, V)
+        self.eval_ops = [("F", int(m), int(v)) for m, v in zip(table[:, k], chunks[:, k]) if m >= 0]
         self.tied = cfg.model.tie_embeddings
         mesh, rules, graphdef = island.mesh, island.rules, island.graphdef
-        first, last = island.first, island.last
         act = island.activation_sharding()
         params_sh = island.shardings.params
         replicated = island.replicated()
@@ -42,30 +48,44 @@ class PipelineStage:
         spec = sharding.spec_for(island_lib.ACTIVATION, rules)
         self.act_layout = {j: island_lib.geometry(cfg, j).layout(spec)
                            for j in range(n)}
+        size = island.chunks[0][1] - island.chunks[0][0]  # layers per chunk
 
         def pick(batch, m):
             with sharding.logical_rules(mesh, rules):
                 return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(
                     split_micro(x, self.M), m, keepdims=False), batch)
 
-        def fwd(params, batch, m, x):
-            with sharding.logical_rules(mesh, rules):
-                return stage_forward(graphdef, params, x, pick(batch, m), first=first, last=last)
+        def programs(v: int):
+            """Chunk v's forward and backward (the island's only ones when V = 1)."""
+            first, last = self.virtual(v) == 0, self.virtual(v) == self.J - 1
 
-        def bwd(params, acc, loss, batch, m, x, dy):
-            with sharding.logical_rules(mesh, rules):
-                g, dx, l = stage_backward(graphdef, params, x, pick(batch, m), dy, first=first, last=last)
-            return jax.tree.map(jnp.add, acc, g), (None if first else dx), loss + l
+            def mine(params):
+                return params if V == 1 else chunk_of(params, v, size)
 
-        # Every program is compiled here, for abstract inputs: (parameters, batch,
-        # micro-batch index, stage input[, its output gradient]).
+            def fwd(params, batch, m, x):
+                with sharding.logical_rules(mesh, rules):
+                    return stage_forward(graphdef, mine(params), x, pick(batch, m), first=first, last=last)
+
+            def bwd(params, acc, loss, batch, m, x, dy):
+                with sharding.logical_rules(mesh, rules):
+                    g, dx, l = stage_backward(graphdef, mine(params), x, pick(batch, m), dy, first=first, last=last)
+                acc = jax.tree.map(jnp.add, acc, g) if V == 1 else add_chunk(acc, g, v, size)
+                return acc, (None if first else dx), loss + l
+
+            # Every program is compiled here, for abstract inputs: (parameters, batch,
+            # micro-batch index, stage input[, its output gradient]).
+            x_like, dy_like = (None if first else self.act_like), (None if last else self.act_like)
+            suffix = "" if V == 1 else str(v)
+            return (island.compile(fwd, P, B, index, x_like, out_shardings=replicated if last else act,
+                                   name=f"fwd{suffix}"),
+                    island.compile(bwd, P, P, scalar, B, index, x_like, dy_like, donate_argnums=(1, 2),
+                                   out_shardings=(params_sh, None if first else act, replicated),
+                                   name=f"bwd{suffix}"))
+
         P = aot.abstract(island.abstract.params, params_sh)
         B, index, scalar = island.abstract_batch(), island.like((), jnp.int32), island.like((), jnp.float32)
-        x_like, dy_like = (None if first else self.act_like), (None if last else self.act_like)
         self.index = [island.put(np.int32(m)) for m in range(self.M)]
-        self.fwd = island.compile(fwd, P, B, index, x_like, out_shardings=replicated if last else act)
-        self.bwd = island.compile(bwd, P, P, scalar, B, index, x_like, dy_like, donate_argnums=(1, 2),
-                                  out_shardings=(params_sh, None if first else act, replicated))
+        self.fwd, self.bwd = zip(*[programs(v) for v in range(V)])
         self.zeros = island.compile(lambda p: (jax.tree.map(jnp.zeros_like, p), jnp.zeros((), jnp.float32)),
                                     P, out_shardings=(params_sh, replicated), name="zeros")
         self.count = island.compile(lambda b: jnp.sum(b["loss_mask"].astype(jnp.float32)), B,
@@ -81,35 +101,51 @@ class PipelineStage:
 
     # -- one pass of the schedule -------------------------------------------------
 
+    def virtual(self, v: int) -> int:
+        """The virtual stage that this island's chunk v is."""
+        return v * self.island.count + self.island.index
+
+    def _peer(self, j: int) -> int:
+        """The island that holds virtual stage j."""
+        return j % self.island.count
+
+    def _tag(self, what: str, kind: str, m: int, j: int) -> str:
+        """The message carrying micro-batch m's `kind` (x or dy) to virtual stage j."""
+        return f"{what}/{kind}{m}" + ("" if self.V == 1 else f".{j}")
+
     def _run(self, params, batch, what: str, ops, train: bool):
-        links, k, last = self.links, self.island.index, self.island.last
-        prev, nxt = k - 1, k + 1
-        recv_x = {m: links.recv(prev, f"{what}/x{m}", self.act_like, self.act_layout[prev])
-                  for op, m in ops if op == "F" and k > 0}
-        recv_dy = {m: links.recv(nxt, f"{what}/dy{m}", self.act_like, self.act_layout[nxt])
-                   for op, m in ops if op == "B" and not last}
+        links, J, layout = self.links, self.J, self.act_layout
+        recv_x = {(m, v): links.recv(self._peer(j - 1), self._tag(what, "x", m, j), self.act_like,
+                                     layout[self._peer(j - 1)])
+                  for op, m, v in ops if op == "F" and (j := self.virtual(v)) > 0}
+        recv_dy = {(m, v): links.recv(self._peer(j + 1), self._tag(what, "dy", m, j), self.act_like,
+                                      layout[self._peer(j + 1)])
+                   for op, m, v in ops if op == "B" and (j := self.virtual(v)) < J - 1}
         acc, loss = self.zeros(params) if train else (None, jnp.zeros((), jnp.float32))
         stash, sends = {}, []
-        for op, m in ops:
-            mm = self.index[m]
+        for op, m, v in ops:
+            mm, j = self.index[m], self.virtual(v)
+            label = f"{op}{m}" + ("" if self.V == 1 else f".{v}")
             if op == "F":
-                x = links.wait(recv_x.pop(m), prev) if k > 0 else None
+                x = links.wait(recv_x.pop((m, v)), self._peer(j - 1)) if j > 0 else None
                 if train:
-                    stash[m] = x
-                if last and train:
+                    stash[m, v] = x
+                if j == J - 1 and train:
                     continue  # the last stage's backward computes its forward and the loss
-                y = self.fwd(params, batch, mm, x, label=f"F{m}")
-                if last:
+                y = self.fwd[v](params, batch, mm, x, label=label)
+                if j == J - 1:
                     loss = loss + y
                 else:
-                    sends.append((nxt, links.send(nxt, y, f"{what}/x{m}", self.act_layout[nxt])))
+                    nxt = self._peer(j + 1)
+                    sends.append((nxt, links.send(nxt, y, self._tag(what, "x", m, j + 1), layout[nxt])))
             else:
-                dy = None if last else links.wait(recv_dy.pop(m), nxt)
-                acc, dx, loss = self.bwd(params, acc, loss, batch, mm, stash.pop(m), dy, label=f"B{m}")
-                if k > 0:
-                    sends.append((prev, links.send(prev, dx, f"{what}/dy{m}", self.act_layout[prev])))
-        for j, h in sends:
-            links.wait(h, j, sent=True)
+                dy = None if j == J - 1 else links.wait(recv_dy.pop((m, v)), self._peer(j + 1))
+                acc, dx, loss = self.bwd[v](params, acc, loss, batch, mm, stash.pop((m, v)), dy, label=label)
+                if j > 0:
+                    prev = self._peer(j - 1)
+                    sends.append((prev, links.send(prev, dx, self._tag(what, "dy", m, j - 1), layout[prev])))
+        for i, h in sends:
+            links.wait(h, i, sent=True)
         return acc, loss
 
     def train_step(self, state, batch, what: str, stop: bool):

@@ -6,14 +6,16 @@ spmd.py      the single-program pipeline: shard_map over `pipeline`, ppermute
 __main__.py  `python -m hetjax.pipeline --stages 4 --microbatches 8`: a timeline
 """
 
-from hetjax.pipeline.schedule import KINDS, Schedule, forward_only, make_schedule, plot, timeline
+from hetjax.pipeline.schedule import (KINDS, Schedule, forward_only, island_orders, make_schedule, plot,
+                                      timeline)
 from hetjax.pipeline.spmd import (Plan, make_eval_step, make_grad_fn, make_plan, make_train_step,
                                   sharding_rules)
 from hetjax.pipeline.stages import (StageLayout, from_stages, make_layout, stage_backward,
                                     stage_forward, stage_params, to_stages)
 
 __all__ = [
-    "KINDS", "Schedule", "forward_only", "make_schedule", "plot", "timeline", "Plan", "make_eval_step",
+    "KINDS", "Schedule", "forward_only", "island_orders", "make_schedule", "plot", "timeline", "Plan",
+    "make_eval_step",
     "make_grad_fn", "make_plan", "make_train_step", "sharding_rules", "StageLayout", "from_stages", "make_layout",
     "stage_backward", "stage_forward", "stage_params", "to_stages"
 ]

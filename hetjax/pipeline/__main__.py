@@ -1,11 +1,12 @@
 """Prints schedules' timelines: `python -m hetjax.pipeline --stages 4 --microbatches 8
 [--schedule 1f1b] [--virtual-stages 2] [--png timeline.png]`; without --schedule, every
-schedule, and the interleaved ones with --virtual-stages (default 2) chunks per stage."""
+schedule, and the interleaved ones with --virtual-stages (default 2) chunks per stage,
+these also in the order each island runs them (the cross-island pipeline's schedule)."""
 
 import sys
 
 from hetjax import cli
-from hetjax.pipeline.schedule import KINDS, VIRTUAL_KINDS, make_schedule, plot, timeline
+from hetjax.pipeline.schedule import KINDS, VIRTUAL_KINDS, island_orders, make_schedule, plot, timeline
 
 
 def main(argv=None) -> int:
@@ -33,6 +34,8 @@ def draw(args) -> int:
         cli.need("matplotlib", "plot", "--png")
     for schedule in schedules:
         print(timeline(schedule), end="\n\n")
+        if schedule.virtual > 1:
+            print(island_orders(schedule), end="\n\n")
         if args.png:
             # Several schedules: one file each, named after the schedule.
             stem, dot, ext = args.png.rpartition(".") if "." in args.png else (args.png, ".", "png")

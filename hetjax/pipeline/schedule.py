@@ -79,16 +79,17 @@ class Schedule:
         out[table[t, s], v * self.stages + s] = t
         return out
 
-    def ops(self, stage: int) -> list[tuple[str, int]]:
-        """This stage's operations in order: ("F", m) / ("B", m); a forward precedes
-        the backward of the same tick. (Only for V = 1: islands hold one chunk.)"""
-        assert self.virtual == 1, "ops() lists one chunk per stage"
+    def ops(self, stage: int) -> list[tuple[str, int, int]]:
+        """This stage's operations in order: ("F", m, v) / ("B", m, v), micro-batch m
+        through the stage's chunk v (0 when V = 1); a forward precedes the backward of
+        the same tick. Every input comes from an earlier tick, so stages that each run
+        their own list without lockstep (islands) never wait on one another in a cycle."""
         out = []
         for t in range(self.ticks):
             if self.forward[t, stage] >= 0:
-                out.append(("F", int(self.forward[t, stage])))
+                out.append(("F", int(self.forward[t, stage]), int(self.forward_chunk[t, stage])))
             if self.backward[t, stage] >= 0:
-                out.append(("B", int(self.backward[t, stage])))
+                out.append(("B", int(self.backward[t, stage]), int(self.backward_chunk[t, stage])))
         return out
 
     def arrivals(self) -> tuple[np.ndarray, np.ndarray]:
@@ -243,6 +244,15 @@ def timeline(schedule: Schedule) -> str:
     ticks = "tick    " + " ".join(f"{t:<{width}}" for t in range(schedule.ticks))
     rows = [f"stage {s} " + " ".join(f"{c:<{width}}" for c in row) for s, row in enumerate(cells)]
     return "\n".join([header, ticks, *rows])
+
+
+def island_orders(schedule: Schedule) -> str:
+    """Each stage's operations in the order an island holding it runs them (`Schedule.ops`:
+    no lockstep ticks, each waits only for its own inputs), one line per island."""
+    def name(op, m, v):
+        return f"{op}{m}" + (f".{v}" if schedule.virtual > 1 else "")
+    return "\n".join([f"{schedule.name} on islands (each runs its own order, no lockstep):"] + [
+        f"island {s} " + " ".join(name(*op) for op in schedule.ops(s)) for s in range(schedule.stages)])
 
 
 def plot(schedule: Schedule, path: str, forward_cost: float = 1.0, backward_cost: float = 2.0) -> None:

@@ -128,6 +128,18 @@ def permute_layers(tree, index):
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
+def chunk_of(params, chunk: int, size: int):
+    """The parameters with `blocks` cut to layers [chunk*size, (chunk+1)*size) of those
+    held: one chunk of a stage that holds several (interleaved stages on islands)."""
+    return map_blocks(lambda x: x[chunk * size:(chunk + 1) * size], params)
+
+
+def add_chunk(acc, grads, chunk: int, size: int):
+    """acc + grads, where grads' `blocks` are those of one chunk (see chunk_of)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a, g: a.at[chunk * size:(chunk + 1) * size].add(g) if _is_blocks(p) else a + g, acc, grads)
+
+
 def to_stages(params, layout: StageLayout):
     """Model layout (L, ...) -> pipeline layout (S*V*P, ...), padding with zeros."""
     if not layout.reordered:

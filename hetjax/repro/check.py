@@ -16,7 +16,7 @@ tensor; unnamed axes are 1, except fsdp, which takes the remaining devices unles
 is named. `virtual_stages=V` (with pipeline=S) interleaves V chunks of layers per stage
 (config.pipeline.virtual_stages), under the config's schedule or, when that one does not
 interleave, 1f1b_fused. `islands=N` asks hetjax.hetero.layouts.islands_layout(cfg, N) for
-a Layout.
+a Layout; `islands=N,virtual_stages=V` gives each island V interleaved chunks of layers.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ def parse(text: str) -> list[tuple[str, dict[str, int]]]:
                 raise ConfigError(f"--layouts: {part.strip()!r} in {item!r} is not AXIS=SIZE with AXIS one "
                                   f"of {', '.join(MESH_AXES)}, virtual_stages, islands; e.g. 'fsdp=2,tensor=4'")
             sizes[m.group(1)] = int(m.group(2))
-        if "islands" in sizes and len(sizes) > 1:
-            raise ConfigError(f"--layouts: {item!r}: islands=N takes no mesh axes (the islands choose theirs)")
+        if "islands" in sizes and set(sizes) - {"islands", "virtual_stages"}:
+            raise ConfigError(f"--layouts: {item!r}: islands=N takes no mesh axes (the islands choose theirs), "
+                              f"only virtual_stages=V")
         out.append((item, sizes))
     if len(out) < 2:
         raise ConfigError(f"--layouts={text!r}: give at least two layouts separated by ';'")
@@ -85,7 +86,7 @@ def layout(name: str, sizes: dict[str, int], cfg, devices: int, config: str = ""
         except ImportError as e:
             raise ConfigError(f"--layouts: {name!r} needs hetjax.hetero (islands), which this "
                               f"installation lacks ({e})") from e
-        got = islands_layout(cfg, sizes["islands"], config, devices)
+        got = islands_layout(cfg, sizes["islands"], config, devices, virtual=sizes.get("virtual_stages", 1))
         return Layout(name, dict(getattr(got, "overrides", got)), getattr(got, "devices", None),
                       getattr(got, "module", "hetjax.train"), getattr(got, "config", None))
     sizes = dict(sizes)

@@ -90,23 +90,22 @@ def path_name(keypath) -> str:
     return "/".join(parts)
 
 
+def words_hex(words) -> str:
+    """16 hex digits for one leaf's two hash words."""
+    return f"{int(words[0]):08x}{int(words[1]):08x}"
+
+
+def format_checksums(tree, words) -> dict[str, str]:
+    """'path/to/leaf' -> 16 hex digits, from `words` (leaf_words of each leaf of `tree`,
+    in the same leaf order; fetched here if still on the devices)."""
+    names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return {name: words_hex(w) for name, w in zip(names, jax.device_get(jax.tree.leaves(words)), strict=True)}
+
+
 def leaf_checksums(tree) -> dict[str, str]:
     """'path/to/leaf' -> 16 hex digits, for every array leaf of `tree`: what a checkpoint
     saves to verify each leaf when it is read back."""
-    return start_leaf_checksums(tree)()
-
-
-def start_leaf_checksums(tree):
-    """leaf_checksums in two halves: the hashing is dispatched to the devices now (in
-    program order, before later steps can donate the arrays), and the function returned
-    waits for the few words per leaf and formats them, on any thread."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    names = [path_name(p) for p, _ in leaves]
-    hashes = _tree_hashes([x for _, x in leaves])
-
-    def finish() -> dict[str, str]:
-        return {name: f"{int(h[0]):08x}{int(h[1]):08x}" for name, h in zip(names, jax.device_get(hashes))}
-    return finish
+    return format_checksums(tree, _tree_hashes(jax.tree.leaves(tree)))
 
 
 def params_checksum(params, hashes: dict[str, str] | None = None) -> str:
@@ -174,7 +173,7 @@ def combine_rows(words: dict, rows=None) -> int:
     total = 0
     for key in sorted(words):
         for r, (w0, w1) in zip(rows, words[key]):
-            total += part_hash("row", int(r), key, f"{int(w0):08x}{int(w1):08x}")
+            total += part_hash("row", int(r), key, words_hex((w0, w1)))
     return total & MASK
 
 
@@ -271,7 +270,7 @@ def fingerprint_from_stats(stats, shapes, layer_offset: int = 0) -> ParamFingerp
 
 
 def _tensor(name, shape, dtype, words, sumsq) -> TensorPrint:
-    return TensorPrint(part_hash("tensor", name, shape, dtype, f"{int(words[0]):08x}{int(words[1]):08x}"),
+    return TensorPrint(part_hash("tensor", name, shape, dtype, words_hex(words)),
                        math.sqrt(float(sumsq)))
 
 
