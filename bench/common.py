@@ -1,12 +1,18 @@
-"""What the config-driven benchmarks share: their command line, and hetjax's train step
-built as hetjax/train.py builds it."""
+"""What the config-driven benchmarks share: their command line, hetjax's train step
+built as hetjax/train.py builds it, and the timed runs of the benches that start
+training processes."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
+from pathlib import Path
+from typing import Callable, TextIO
 
 from hetjax import cli
 from hetjax import config as config_lib
+from hetjax.errors import ConfigError
 
 DEFAULT_CONFIG = "configs/tiny.py"
 
@@ -72,3 +78,35 @@ def command_line(argv: list[str], default_config: str, counts: dict[str, tuple[i
             rest.append(arg)
     return cli.parse_command_line(rest, flags=()), opts
 
+
+
+def tokens_per_sec(run_dir: Path, skip: int) -> tuple[float, float, int]:
+    """(tokens/s, last loss, steps measured) from the run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "step_time" in r]
+    timed = rows[skip:-1]
+    if not timed:
+        raise ConfigError(f"--skip={skip}: the run has only {len(rows)} steps; use more --steps")
+    return sum(r["tokens"] for r in timed) / sum(r["step_time"] for r in timed), rows[-1]["loss"], len(timed)
+
+
+def train_in_one_process(config: str, overrides: dict, env: dict) -> Callable[[TextIO], int]:
+    """A `launch` for `timed_run`: python -m hetjax.train in one process with `env`."""
+    args = [f"--config.{k}={v}" for k, v in overrides.items()]
+    return lambda log: subprocess.call([sys.executable, "-m", "hetjax.train", "--config", config, *args],
+                                       stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def timed_run(label: str, run_dir: Path, skip: int, launch: Callable[[TextIO], int]) -> tuple[float, int]:
+    """One side of a bench: `launch(log)` trains into run_dir with its output in
+    run_dir.log; prints its tokens/s line under `label`. (tokens/s, 0), or (0, exit
+    status) after saying where to look when it failed."""
+    log_path = run_dir.with_name(run_dir.name + ".log")
+    with open(log_path, "w") as log:
+        code = launch(log)
+    if code:
+        print(f"the {label} run failed ({code}); see {log_path}")
+        return 0.0, code
+    rate, loss, steps = tokens_per_sec(run_dir, skip)
+    print(f"{label}: {rate:10.1f} tokens/s  (last loss {loss:.4f}, {steps} steps timed)", flush=True)
+    return rate, 0

@@ -19,9 +19,7 @@ tokens/s, per backend.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,16 +33,6 @@ from hetjax.launch import local
 
 DEFAULT = "configs/tiny_hetero.py"
 BACKENDS = ("host", "direct")
-
-
-def tokens_per_sec(run_dir: Path, skip: int) -> tuple[float, float, int]:
-    """(tokens/s, last loss, steps measured) from the run's metrics.jsonl."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "step_time" in r]
-    timed = rows[skip:-1]
-    if not timed:
-        raise ConfigError(f"--skip={skip}: the run has only {len(rows)} steps; use more --steps")
-    return sum(r["tokens"] for r in timed) / sum(r["step_time"] for r in timed), rows[-1]["loss"], len(timed)
 
 
 def one_island_overrides(cfg) -> dict[str, str]:
@@ -97,35 +85,27 @@ def main(argv: list[str]) -> int:
           + (f"the islands' processes get {' and '.join(','.join(map(str, s)) for s in shares)}" if shares
              else "the islands' processes share them all"), flush=True)
 
-    one = work / "one_island"
     # Each run compiles afresh into its own cache (a direct run after a host run of the same
     # programs, from a warm cache, stalled its first transfer here: see the README).
-    args = [f"--config.{k}={v}" for k, v in {**overrides, **one_island_overrides(cfg), "run_dir": str(one),
-                                               "compile.cache_dir": str(work / "cache_one")}.items()]
-    with open(work / "one_island.log", "w") as log:
-        code = subprocess.call([sys.executable, "-m", "hetjax.train", "--config", config, *args],
-                               stdout=log, stderr=subprocess.STDOUT, env=local.device_env(installed, total))
-    if code:
-        print(f"the one-island run failed ({code}); see {work / 'one_island.log'}")
-        return code
-    base, loss, n = tokens_per_sec(one, opts["skip"])
     kind = "data axis" if cfg.hetero.placement == "data" else "SPMD pipeline"
-    print(f"one island  (1 process, {total} devices, {kind}): {base:10.1f} tokens/s  "
-          f"(last loss {loss:.4f}, {n} steps timed)", flush=True)
+    one = {**overrides, **one_island_overrides(cfg), "run_dir": str(work / "one_island"),
+           "compile.cache_dir": str(work / "cache_one")}
+    base, code = common.timed_run(
+        f"one island  (1 process, {total} devices, {kind})", work / "one_island", opts["skip"],
+        common.train_in_one_process(config, one, local.device_env(installed, total)))
+    if code:
+        return code
     ratios = {}
     for name in BACKENDS:
         run_dir = work / f"two_islands_{name}"
-        with open(work / f"two_islands_{name}.log", "w") as log:
-            code = local.run(config, {**overrides, "run_dir": str(run_dir),
-                                      "compile.cache_dir": str(work / f"cache_{name}")},
-                             stand_in=stand_in, backend=name, out=log, pin=pin)
+        rate, code = common.timed_run(
+            f"two islands ({name:>6}, {processes} processes)", run_dir, opts["skip"],
+            lambda log: local.run(config, {**overrides, "run_dir": str(run_dir),
+                                           "compile.cache_dir": str(work / f"cache_{name}")},
+                                  stand_in=stand_in, backend=name, out=log, pin=pin))
         if code:
-            print(f"the two-island run over {name} failed ({code}); see {run_dir / 'logs'}")
             return code
-        rate, loss, n = tokens_per_sec(run_dir, opts["skip"])
         ratios[name] = rate / base
-        print(f"two islands ({name:>6}, {processes} processes): {rate:10.1f} tokens/s  "
-              f"(last loss {loss:.4f}, {n} steps timed)", flush=True)
     print("two islands / one island, tokens/s: " + "  ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
     return 0
 

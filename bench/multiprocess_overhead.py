@@ -19,13 +19,11 @@ process's.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from bench import common
-from bench.hetero_vs_homogeneous import tokens_per_sec
 from hetjax import config as config_lib
 from hetjax.compile import backend, cli
 from hetjax.errors import ConfigError
@@ -58,26 +56,18 @@ def main(argv: list[str]) -> int:
         f"the {n} processes get {' / '.join(','.join(map(str, s)) for s in shares)}" if shares
         else f"the {n} processes share them all"), flush=True)
 
-    one = work / "one_process"
-    args = [f"--config.{k}={v}" for k, v in {**overrides, "run_dir": str(one)}.items()]
-    with open(work / "one_process.log", "w") as log:
-        code = subprocess.call([sys.executable, "-m", "hetjax.train", "--config", cmd.config, *args],
-                               stdout=log, stderr=subprocess.STDOUT, env=local.device_env(installed, devices))
+    base, code = common.timed_run(
+        f"1 process ({devices} devices)", work / "one_process", opts["skip"],
+        common.train_in_one_process(cmd.config, {**overrides, "run_dir": str(work / "one_process")},
+                                    local.device_env(installed, devices)))
     if code:
-        print(f"the one-process run failed ({code}); see {work / 'one_process.log'}")
         return code
-    base, loss, steps = tokens_per_sec(one, opts["skip"])
-    print(f"1 process  ({devices} devices):           {base:10.1f} tokens/s  (last loss {loss:.4f}, "
-          f"{steps} steps timed)", flush=True)
-    many = work / f"{n}_processes"
-    with open(work / f"{n}_processes.log", "w") as log:
-        code = local.run(cmd.config, {**overrides, "run_dir": str(many)}, processes=n, pin=pin, out=log)
+    rate, code = common.timed_run(
+        f"{n} processes ({devices // n} device(s) each, one world)", work / f"{n}_processes", opts["skip"],
+        lambda log: local.run(cmd.config, {**overrides, "run_dir": str(work / f"{n}_processes")}, processes=n,
+                              pin=pin, out=log))
     if code:
-        print(f"the {n}-process run failed ({code}); see {many / 'logs'}")
         return code
-    rate, loss2, steps = tokens_per_sec(many, opts["skip"])
-    print(f"{n} processes ({devices // n} device(s) each, one world): {rate:10.1f} tokens/s  (last loss {loss2:.4f}, "
-          f"{steps} steps timed)", flush=True)
     print(f"{n} processes / 1 process, tokens/s: {rate / base:.3f}")
     return 0
 

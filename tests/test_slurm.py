@@ -18,23 +18,21 @@ from pathlib import Path
 import pytest
 
 from hetjax.launch import local
+from tests import test_multiprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "launch" / "slurm"
 pytestmark = pytest.mark.skipif(not (shutil.which("slurmctld") or Path("/usr/sbin/slurmctld").exists()),
                                 reason="SLURM is not installed (apt-get install slurm-wlm munge)")
 
-MESH = """
-from hetjax.config import CheckpointConfig, Config, DataConfig, MeshConfig, ModelConfig, OptimConfig
+# tests/test_multiprocess.py's one-mesh job, longer and saving every 2 steps (for scancel).
+MESH = test_multiprocess.CONFIG + """
+_shorter = get_config
 
 def get_config():
-    return Config(
-        model=ModelConfig(vocab_size=64, num_layers=2, embed_dim=32, mlp_dim=64, num_heads=2,
-                          num_kv_heads=1, head_dim=16, rope_theta=10_000.0),
-        optim=OptimConfig(learning_rate=1e-2, warmup_steps=2),
-        data=DataConfig(num_states=8, branching=4, mean_doc_length=12, num_documents=500),
-        mesh=MeshConfig(fsdp=4), steps=30, batch_size=8, seq_len=16, log_every=1, eval_every=0,
-        tensorboard=False, checkpoint=CheckpointConfig(every=2))
+    import dataclasses
+    from hetjax.config import CheckpointConfig
+    return dataclasses.replace(_shorter(), steps=30, checkpoint=CheckpointConfig(every=2))
 """
 
 
