@@ -58,18 +58,18 @@ def assert_close(got, want):
 
 
 def test_pipeline_islands_train_like_one_island(tmp_path):
-    # 1F1B over two islands with three layers split 2 + 1, tensor parallelism inside
-    # the first island and tied embeddings (the first and the last island both hold
-    # the embedding and add its gradients).
+    # The default schedule (1F1B fused) over two islands with three layers split 2 + 1,
+    # tensor parallelism inside the first island and tied embeddings (the first and the
+    # last island both hold the embedding and add its gradients).
     config = write_config(tmp_path, "islands", '''
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=3, tie_embeddings=True))
         islands = (IslandConfig(name="cuda", platform="cuda", devices_per_process=2,
                                 mesh=MeshConfig(fsdp=1, tensor=2), speed=2.0),
                    IslandConfig(name="rocm", platform="rocm", devices_per_process=2, mesh=MeshConfig(fsdp=2)))
-        return dataclasses.replace(cfg, hetero=HeteroConfig(islands=islands),
-                                   pipeline=PipelineConfig(schedule="1f1b", microbatches=4))
+        return dataclasses.replace(cfg, hetero=HeteroConfig(islands=islands), pipeline=PipelineConfig(microbatches=4))
     ''')
     assert placement.island_layers(load(str(config))) == (2, 1)
+    assert load(str(config)).pipeline.schedule == "1f1b_fused"
     islands, _ = losses(tmp_path, config, "islands")
     one, _ = losses(tmp_path, "tiny.py", "one", "--config.mesh.pipeline=2", "--config.pipeline.schedule=1f1b",
                     "--config.pipeline.stage_layers=(2,1)", "--config.model.num_layers=3",

@@ -140,10 +140,7 @@ def validate_hetero(cfg) -> None:
         if cfg.model.num_layers < n:
             raise ConfigError(f"config.model.num_layers={cfg.model.num_layers} is fewer than the {n} "
                               f"islands of placement='pipeline'; every island needs a layer")
-        schedule = cfg.pipeline.schedule
-        if V == 1 and schedule not in ("gpipe", "1f1b"):  # V > 1: gpipe or 1f1b_fused (validate_pipeline)
-            raise ConfigError(f"config.pipeline.schedule={schedule!r} across islands: use 'gpipe' or "
-                              f"'1f1b' (islands run their own operations without lockstep ticks)")
+        schedule = cfg.pipeline.schedule  # every one runs across islands (validate_pipeline checks V)
         if schedule.startswith("1f1b") and cfg.pipeline.microbatches < n:
             raise ConfigError(f"config.pipeline.microbatches={cfg.pipeline.microbatches} is below the {n} "
                               f"islands: 1F1B never fills the pipeline; use at least {n}")

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from hetjax.errors import ConfigError
+from hetjax.pipeline.config import PIPELINE_SCHEDULES, VIRTUAL_SCHEDULES
 
 _CONFIG = '''"""{n} virtual islands over {base!r} (written by hetjax.hetero.layouts)."""
 
@@ -24,7 +25,7 @@ def get_config():
     cfg = load({base!r})
     islands = tuple(IslandConfig(name=f"island{{k}}", devices_per_process={per}, mesh=MeshConfig(fsdp=-1))
                     for k in range({n}))
-    schedule = "gpipe" if cfg.pipeline.schedule == "gpipe" else "{interleaved}"
+    schedule = cfg.pipeline.schedule if cfg.pipeline.schedule in {schedules} else "1f1b_fused"
     return dataclasses.replace(
         cfg, mesh=MeshConfig(fsdp=-1), hetero=HeteroConfig(islands=islands, placement="pipeline"),
         pipeline=dataclasses.replace(cfg.pipeline, schedule=schedule, stage_layers=(){virtual}))
@@ -54,6 +55,6 @@ def islands_layout(cfg, n: int, config: str, devices: int = 8, virtual: int = 1)
     base = str(find_config_file(config).resolve())
     path = Path(tempfile.mkdtemp(prefix="hetjax-islands-")) / f"islands{n}.py"
     path.write_text(_CONFIG.format(n=n, base=base, per=devices // n,
-                                   interleaved="1f1b" if virtual == 1 else "1f1b_fused",
+                                   schedules=PIPELINE_SCHEDULES if virtual == 1 else VIRTUAL_SCHEDULES,
                                    virtual="" if virtual == 1 else f", virtual_stages={virtual}"))
     return IslandsLayout({}, devices, str(path))

@@ -14,7 +14,10 @@ VIRTUAL_SCHEDULES = ("gpipe", "1f1b_fused")  # the schedules that run interleave
 class PipelineConfig:
     """Micro-batch schedule over the `pipeline` mesh axis (used when config.mesh.pipeline > 1)."""
 
-    schedule: str = "1f1b"  # gpipe | 1f1b | 1f1b_fused (see hetjax/pipeline/schedule.py)
+    # gpipe | 1f1b | 1f1b_fused (see hetjax/pipeline/schedule.py). 1f1b_fused by measurement
+    # (bench/pipeline_bubble.py, README): as fast as gpipe at 4 micro-batches and the fastest
+    # at 8, with a stash bounded in the stages; the lockstep classic 1f1b was the slowest.
+    schedule: str = "1f1b_fused"
     microbatches: int = 4  # the global batch is split into this many micro-batches
     stage_layers: tuple = ()  # layers per stage, e.g. (3, 5); () splits num_layers evenly
     virtual_stages: int = 1  # V > 1: each stage holds V interleaved chunks of layers (smaller bubble)
