@@ -40,9 +40,10 @@ def test_serve_and_peer_measure_every_backend_and_refuse_a_wrong_secret(monkeypa
         assert peer.returncode == 0, peer.stderr
         rows = {line.split()[0]: line.split() for line in peer.stdout.splitlines()[1:]}
         assert sorted(rows) == ["direct", "host", "raw"], peer.stdout
-        for backend, (_, streams, mib, gbps, latency_ms) in rows.items():
+        for backend, (_, streams, mib, gbps, latency_ms, cores) in rows.items():
             assert streams == "2" and mib == "1", (backend, peer.stdout)  # the server used the peer's parameters
             assert float(gbps) > 0 and float(latency_ms) > 0, (backend, peer.stdout)
+            assert cores == "n/a", (backend, peer.stdout)  # one 1 MiB copy is too short to count cores
         assert server.wait(timeout=30) == 0
         assert "did not prove the job's shared secret" in server.stderr.read()
     finally:
@@ -70,3 +71,17 @@ def test_a_silent_server_gives_a_timeout_naming_it(monkeypatch, authenticates, m
         probe.main(["--peer", address, "--timeout", "0.5"])
     assert time.monotonic() - start < 5
     listener.close()
+
+
+def test_busy_seconds_count_at_least_this_process_cpu_time():
+    # The machine-wide busy time includes this process's CPU time (time.process_time,
+    # an independent clock) and is at most every core busy for the whole wall time.
+    if probe._busy_seconds() is None:
+        pytest.skip("no /proc/stat here")
+    jiffy = 1 / os.sysconf("SC_CLK_TCK")
+    busy0, cpu0, wall0 = probe._busy_seconds(), time.process_time(), time.monotonic()
+    while time.process_time() - cpu0 < 0.5:
+        pass
+    busy1, cpu1, wall1 = probe._busy_seconds(), time.process_time(), time.monotonic()
+    assert busy1 - busy0 >= cpu1 - cpu0 - 2 * jiffy * os.cpu_count()
+    assert busy1 - busy0 <= (wall1 - wall0) * os.cpu_count() + 2 * jiffy * os.cpu_count()

@@ -171,8 +171,22 @@ def _raw_receive(listener, streams, buf, conns, secret, timeout_s):
     return buf
 
 
+def _busy_seconds() -> float | None:
+    """CPU seconds this machine's cores have been busy since boot (Linux /proc/stat: all
+    but idle and iowait), or None where that is not readable."""
+    try:
+        with open("/proc/stat") as f:
+            jiffies = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(ctl: Control, backend: str, args, n_src: int) -> dict:
-    """{'gbps': bytes/s / 1e9 (median), 'latency_ms': median} for one backend."""
+    """{'gbps': bytes/s / 1e9 (median), 'latency_ms': median, 'cores_busy': this machine's
+    busy cores over the timed bandwidth copies (None off Linux, or when they took under 20
+    jiffies)} for one backend. Both
+    processes of a local probe count, so cores_busy / gbps is the CPU time a GB costs."""
     import jax
     from hetjax.transfer import open_endpoint
     devices = jax.devices()[:args.dst_devices]
@@ -180,6 +194,7 @@ def measure(ctl: Control, backend: str, args, n_src: int) -> dict:
     likes = {"bw": _array(args.mib << 20, devices, multiple), "lat": _array(4, devices, multiple)}
     nbytes = {k: like.size * 4 for k, like in likes.items()}
     times = {"bw": [], "lat": []}
+    busy = []  # CPU seconds busy during each bandwidth copy
     order = ["bw"] * (args.iters + 1) + ["lat"] * (args.iters + 1)
     if backend == "raw":
         secret = _link(args, "host", 1).secret()
@@ -197,10 +212,11 @@ def measure(ctl: Control, backend: str, args, n_src: int) -> dict:
             buf.fill(0)
         try:
             for k in order:
-                start = time.perf_counter()
+                cpu, start = _busy_seconds(), time.perf_counter()
                 ctl.send(go=k)
                 _raw_receive(listener, args.streams, bufs[k], conns, secret, args.timeout)
                 times[k].append(time.perf_counter() - start)
+                busy += [(cpu, _busy_seconds())] if k == "bw" else []
                 ctl.recv()
             ctl.send(done=True)
         except socket.timeout:
@@ -215,18 +231,24 @@ def measure(ctl: Control, backend: str, args, n_src: int) -> dict:
             server_addresses = tuple(ctl.recv()["addresses"])
             for i, k in enumerate(order):
                 h = ep.recv(f"{k}{i}", likes[k], _layout(n_src), peers={0: server_addresses})
-                start = time.perf_counter()
+                cpu, start = _busy_seconds(), time.perf_counter()
                 ctl.send(go=k, tag=f"{k}{i}")
                 h.wait().block_until_ready()
                 times[k].append(time.perf_counter() - start)
+                busy += [(cpu, _busy_seconds())] if k == "bw" else []
                 h = None  # the received array goes, as a training step's would
                 ctl.recv()  # the sender had its acknowledgements
             ctl.send(done=True)
         finally:
             ep.close()
     bw = statistics.median(times["bw"][1:])  # the first of each is a warm-up
+    timed = sum(times["bw"][1:])
+    # /proc/stat counts in jiffies: under 20 of them per core the figure says nothing.
+    cores = (None if busy[0][0] is None or timed < 20 / os.sysconf("SC_CLK_TCK")
+             else sum(b - a for a, b in busy[1:]) / timed)
     return {"backend": backend, "streams": args.streams, "mib": nbytes["bw"] / 2**20,
-            "gbps": nbytes["bw"] / bw / 1e9, "latency_ms": statistics.median(times["lat"][1:]) * 1e3}
+            "gbps": nbytes["bw"] / bw / 1e9, "latency_ms": statistics.median(times["lat"][1:]) * 1e3,
+            "cores_busy": cores}
 
 
 def probe(address: str, args) -> list[dict]:
@@ -294,9 +316,11 @@ def main(argv=None):
         finally:
             if child.poll() is None:
                 child.kill()
-    print(f"{'backend':8} {'streams':>7} {'MiB':>6} {'GB/s':>7} {'latency ms':>10}")
+    print(f"{'backend':8} {'streams':>7} {'MiB':>6} {'GB/s':>7} {'latency ms':>10} {'cores busy':>10}")
     for r in rows:
-        print(f"{r['backend']:8} {r['streams']:7d} {r['mib']:6.0f} {r['gbps']:7.2f} {r['latency_ms']:10.2f}")
+        cores = "n/a" if r["cores_busy"] is None else f"{r['cores_busy']:.2f}"
+        print(f"{r['backend']:8} {r['streams']:7d} {r['mib']:6.0f} {r['gbps']:7.2f} {r['latency_ms']:10.2f} "
+              f"{cores:>10}")
     return rows
 
 
