@@ -15,7 +15,7 @@ COMMANDS = ["hetjax.train", "hetjax.data.prepare", "launch.local", "hetjax.compi
             "hetjax.hetero.linkcheck", "hetjax.hetero.timeline", "hetjax.hetero.checkpoints", "hetjax.plot",
             "bench.step_overhead", "bench.checkpoint_cost", "bench.data_throughput", "bench.gpu_step",
             "bench.hetero_vs_homogeneous", "bench.multiprocess_overhead", "bench.pipeline_bubble",
-            "bench.prepare_throughput", "bench.transfer_bandwidth"]
+            "bench.prepare_throughput", "bench.transfer_bandwidth", "bench.collective_latency"]
 
 # Runs a module as `python -m` would, with some imports made to fail as if not installed.
 BLOCKED = """
