@@ -70,7 +70,8 @@ def split_backward_cost(model, rows: int, seq_len: int, device, repeats: int) ->
     dy = jnp.ones_like(x)
 
     def f(p, x):
-        return stage_forward(graphdef, p, x, batch, first=False, last=False)
+        return stage_forward(graphdef, p, x, batch, first=False, last=False,
+                             unroll=not PipelineConfig().scan_layers)
     programs = {"forward": jax.jit(lambda p, x, dy: f(p, x)),
                 "fused": jax.jit(lambda p, x, dy: jax.vjp(f, p, x)[1](dy)),
                 "input": jax.jit(lambda p, x, dy: jax.vjp(lambda x: f(p, x), x)[1](dy)),

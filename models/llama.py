@@ -303,10 +303,11 @@ class Decoder(nnx.Module):
         x = jnp.take(self.embed_VD[...], tokens, axis=0).astype(self.dtype)  # (B, T, D)
         return constrain(x, ("batch", "length", "embed"))
 
-    def apply_layers(self, x, positions, segment_ids, valid=None):
+    def apply_layers(self, x, positions, segment_ids, valid=None, unroll: bool = False):
         """Scans the layers stacked in self.blocks (any number of them: a pipeline stage
         holds its own) over x. `valid` (bool per layer) turns a layer into the identity:
-        pipeline padding."""
+        pipeline padding. unroll: the same layers written out one after the other (the
+        pipeline's few layers per stage run faster so, see config.pipeline.scan_layers)."""
         inv_freq = rope_inv_freq(*self.rope)
         blocks_def, blocks_state = nnx.split(self.blocks)
 
@@ -316,8 +317,9 @@ class Decoder(nnx.Module):
             return (y if ok is None else jnp.where(ok, y, x)), None
 
         if self.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, (blocks_state, valid))
+            # Unrolled, XLA could merge a recomputation with the forward it repeats.
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=unroll)
+        x, _ = jax.lax.scan(layer, x, (blocks_state, valid), unroll=True if unroll else 1)
         return x
 
     def logits(self, x):

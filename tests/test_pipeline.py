@@ -156,7 +156,8 @@ def test_the_command_draws_every_schedule_the_interleaved_ones_included(capsys):
 # Stages as plain functions (what islands run), against the whole model
 
 
-def test_stage_functions_chained_equal_the_model():
+@pytest.mark.parametrize("unroll", [False, True], ids=["scanned", "unrolled"])
+def test_stage_functions_chained_equal_the_model(unroll):
     cfg = CFG.model
     mesh, rules, tx, graphdef, shardings, state = build(CFG, MeshConfig(fsdp=1), 1)
     params = jax.device_get(state.params)
@@ -164,11 +165,11 @@ def test_stage_functions_chained_equal_the_model():
     (loss, _), ref = jax.jit(jax.value_and_grad(step.loss_sums, has_aux=True), static_argnums=1)(
         params, graphdef, batch)
 
-    forward = jax.jit(pipeline.stage_forward, static_argnums=0, static_argnames=("first", "last"))
-    backward = jax.jit(pipeline.stage_backward, static_argnums=0, static_argnames=("first", "last"))
+    forward = jax.jit(pipeline.stage_forward, static_argnums=0, static_argnames=("first", "last", "unroll"))
+    backward = jax.jit(pipeline.stage_backward, static_argnums=0, static_argnames=("first", "last", "unroll"))
     layout = pipeline.make_layout(cfg.num_layers, 3, (1, 3, 2))
     parts = [pipeline.stage_params(params, layout, s) for s in range(3)]
-    kw = [dict(first=s == 0, last=s == 2) for s in range(3)]
+    kw = [dict(first=s == 0, last=s == 2, unroll=unroll) for s in range(3)]
     xs = [None]
     for s in range(3):
         xs.append(forward(graphdef, parts[s], xs[-1], batch, **kw[s]))
@@ -261,8 +262,8 @@ def _assert_params_close(got, ref, lr):
 @pytest.mark.parametrize("mesh_cfg,pipe", [
     (MeshConfig(pipeline=2, fsdp=2, tensor=2), PipelineConfig("1f1b_fused", 4)),
     (MeshConfig(pipeline=4, data=2, fsdp=1), PipelineConfig("gpipe", 2, (2, 1, 2, 1))),
-    (MeshConfig(pipeline=4, fsdp=1, tensor=2), PipelineConfig("1f1b", 4, (1, 2, 2, 1))),
-], ids=["1f1b_fused-pp2-fsdp2-tp2", "gpipe-pp4-dp2-uneven", "1f1b-pp4-tp2-uneven"])
+    (MeshConfig(pipeline=4, fsdp=1, tensor=2), PipelineConfig("1f1b", 4, (1, 2, 2, 1), scan_layers=True)),
+], ids=["1f1b_fused-pp2-fsdp2-tp2", "gpipe-pp4-dp2-uneven", "1f1b-pp4-tp2-uneven-scanned"])
 def test_pipelined_step_equals_the_unpipelined_one(mesh_cfg, pipe, reference):
     ref_grads, ref_losses, ref_params = reference
     cfg = dataclasses.replace(CFG, mesh=mesh_cfg, pipeline=pipe)
@@ -283,6 +284,29 @@ def test_pipelined_step_equals_the_unpipelined_one(mesh_cfg, pipe, reference):
         # The stacked layers are split over the pipeline axis, the head is not.
         blocks = state.params["blocks"]["mlp"]["up_DF"].get_value()
         assert blocks.shape[0] == plan.stages * layout.per_stage
+
+
+def test_unrolled_stage_layers_give_the_scanned_losses_without_a_layer_loop():
+    # config.pipeline.scan_layers=False (the default) writes each stage's layers out:
+    # the step then holds only the ticks' loop (the model's remat inside stays whole).
+    runs = {}
+    for scan in (True, False):
+        cfg = dataclasses.replace(CFG, mesh=MeshConfig(pipeline=2, fsdp=1),
+                                  model=dataclasses.replace(CFG.model, remat="full"),
+                                  pipeline=PipelineConfig("1f1b_fused", 4, scan_layers=scan))
+        validate(cfg)
+        mesh = make_mesh(cfg.mesh, jax.devices()[:2])
+        prog = program.build(cfg, mesh)
+        train_step, state = prog.jit_train_step(), prog.init_state()
+        batches = _batches(cfg, mesh, prog.rules)
+        loops = train_step.lower(state, batches[0]).as_text().count("stablehlo.while")
+        losses = []
+        for batch in batches:
+            state, metrics = train_step(state, batch)
+            losses.append(float(metrics["loss"]))
+        runs[scan] = loops, losses
+    assert runs[True][0] > runs[False][0] == 1, runs  # one loop: the ticks
+    np.testing.assert_allclose(runs[False][1], runs[True][1], rtol=1e-6)
 
 
 SMALL = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, num_layers=4), steps=20)

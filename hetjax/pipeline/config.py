@@ -21,6 +21,11 @@ class PipelineConfig:
     microbatches: int = 4  # the global batch is split into this many micro-batches
     stage_layers: tuple = ()  # layers per stage, e.g. (3, 5); () splits num_layers evenly
     virtual_stages: int = 1  # V > 1: each stage holds V interleaved chunks of layers (smaller bubble)
+    # False: in the one-program pipeline a stage's (chunk's) layers are written out one
+    # after the other instead of scanned: measured faster (bench/pipeline_bubble.py,
+    # README). True compiles faster when a stage holds many layers. The losses are the same.
+    # Islands' stage programs scan either way (unrolling measured no faster there).
+    scan_layers: bool = False
 
 
 def validate_pipeline(cfg) -> None:

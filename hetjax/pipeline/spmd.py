@@ -49,6 +49,7 @@ AXIS = "pipeline"
 class Plan:
     schedule: Schedule
     layout: StageLayout
+    unroll: bool = False  # not config.pipeline.scan_layers
 
     @property
     def stages(self) -> int:
@@ -87,7 +88,7 @@ def make_plan(cfg, mesh: Mesh) -> Plan | None:
             f"a micro-batch of config.batch_size/config.pipeline.microbatches = "
             f"{cfg.batch_size}/{M} = {cfg.batch_size // M} rows does not split over data x fsdp = "
             f"{shards} devices; raise config.batch_size or lower config.pipeline.microbatches")
-    return Plan(make_schedule(cfg.pipeline.schedule, S, M, V), layout)
+    return Plan(make_schedule(cfg.pipeline.schedule, S, M, V), layout, unroll=not cfg.pipeline.scan_layers)
 
 
 def sharding_rules(rules) -> tuple:
@@ -206,12 +207,12 @@ def make_grad_fn(graphdef, mesh: Mesh, rules, plan: Plan):
                 if fchunk >= 0:
                     p, valid = chunk(fchunk)
                     y = stage_forward(graphdef, p, x_f, mb_f, first=fkind == 0, last=False,
-                                      valid=valid, gather_free=gather_free)
+                                      valid=valid, gather_free=gather_free, unroll=plan.unroll)
                 g, dx, l = zero_grads, zeros_act, jnp.zeros((), jnp.float32)
                 if bchunk >= 0:
                     p, valid = chunk(bchunk)
-                    g, dx, l = stage_backward(graphdef, p, x_b, mb_b, dy, first=bkind == 0,
-                                              last=bkind == 2, valid=valid, gather_free=gather_free)
+                    g, dx, l = stage_backward(graphdef, p, x_b, mb_b, dy, first=bkind == 0, last=bkind == 2,
+                                              valid=valid, gather_free=gather_free, unroll=plan.unroll)
                 return y, g, dx, l
             return run
 
@@ -283,7 +284,7 @@ def make_eval_step(graphdef, mesh: Mesh, rules, plan: Plan):
                     return zero
                 p, valid = chunk(v)
                 out = stage_forward(graphdef, p, x, mb, first=kind == 0, last=kind == 2, valid=valid,
-                                    gather_free=gather_free)
+                                    gather_free=gather_free, unroll=plan.unroll)
                 return (zero[0], out) if kind == 2 else (out, zero[1])
             return branch
 

@@ -171,7 +171,7 @@ def stage_params(params, layout: StageLayout, stage: int):
 
 
 def stage_forward(graphdef, params, x, batch, *, first: bool, last: bool, valid=None,
-                  gather_free: bool = False):
+                  gather_free: bool = False, unroll: bool = False):
     """One stage on one micro-batch.
 
     params: the model's parameters with `blocks` holding only this stage's layers.
@@ -181,11 +181,12 @@ def stage_forward(graphdef, params, x, batch, *, first: bool, last: bool, valid=
     valid: (layers,) bool, False for padding layers.
     gather_free: embed and pick label logits with one-hot products instead of
     gathers (see hetjax.pipeline.spmd for why).
+    unroll: the stage's layers written out instead of scanned (config.pipeline.scan_layers).
     """
     model = nnx.merge(graphdef, params)
     if first:
         x = _one_hot_embed(model, batch["inputs"]) if gather_free else model.embed(batch["inputs"])
-    x = model.apply_layers(x, batch["positions"], batch["segment_ids"], valid)
+    x = model.apply_layers(x, batch["positions"], batch["segment_ids"], valid, unroll=unroll)
     if not last:
         return x
     logits = model.logits(x)  # (b, T, V) fp32
@@ -203,11 +204,11 @@ def _one_hot_embed(model, tokens):
 
 
 def stage_backward(graphdef, params, x, batch, dy, *, first: bool, last: bool, valid=None,
-                   gather_free: bool = False):
+                   gather_free: bool = False, unroll: bool = False):
     """Recomputes the stage from its input x and returns (parameter gradients,
     input gradient, loss sum). dy is the gradient of the stage's output; the last
     stage seeds its loss sum with 1 instead, and returns that loss sum (0 elsewhere)."""
-    out, vjp = jax.vjp(lambda p, x: stage_forward(graphdef, p, x, batch, first=first, last=last,
-                                                  valid=valid, gather_free=gather_free), params, x)
+    out, vjp = jax.vjp(lambda p, x: stage_forward(graphdef, p, x, batch, first=first, last=last, valid=valid,
+                                                  gather_free=gather_free, unroll=unroll), params, x)
     grads, dx = vjp(jnp.ones_like(out) if last else dy)
     return grads, dx, (out if last else jnp.zeros((), jnp.float32))
