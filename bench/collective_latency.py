@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,9 +56,7 @@ def _worker(rank: int, world: int, devices: int, port: int, mib: float, iters: i
 
 def _run(world: int, devices: int, mib: float, iters: int, timeout_s: float) -> dict:
     """Starts `world` worker processes of `devices` devices each; rank 0's timings."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = local.free_ports(1)[0]
     env = dict(local.device_env("cpu", devices), JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, "-m", "bench.collective_latency", "--worker", str(rank),
                                "--world", str(world), "--devices", str(devices), "--port", str(port),
@@ -92,6 +89,8 @@ def main(argv=None) -> int:
     for name in ("processes", "iters"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name}={getattr(args, name)}: must be at least 1")
+    if args.mib * 2**20 < 4:
+        raise SystemExit(f"--mib={args.mib:g}: must hold at least one float32 (4 bytes); use e.g. --mib 3")
     n = args.processes
     one = _run(1, n, args.mib, args.iters, args.timeout)
     many = _run(n, 1, args.mib, args.iters, args.timeout)

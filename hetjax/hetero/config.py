@@ -140,8 +140,8 @@ def validate_hetero(cfg) -> None:
         if cfg.model.num_layers < n:
             raise ConfigError(f"config.model.num_layers={cfg.model.num_layers} is fewer than the {n} "
                               f"islands of placement='pipeline'; every island needs a layer")
-        schedule = cfg.pipeline.schedule  # every one runs across islands (validate_pipeline checks V)
-        if schedule.startswith("1f1b") and cfg.pipeline.microbatches < n:
+        # Every schedule runs across islands (validate_pipeline checks it against V).
+        if cfg.pipeline.schedule.startswith("1f1b") and cfg.pipeline.microbatches < n:
             raise ConfigError(f"config.pipeline.microbatches={cfg.pipeline.microbatches} is below the {n} "
                               f"islands: 1F1B never fills the pipeline; use at least {n}")
         if cfg.batch_size % cfg.pipeline.microbatches:

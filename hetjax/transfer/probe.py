@@ -182,11 +182,21 @@ def _busy_seconds() -> float | None:
     return (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")
 
 
+def _timed(kind: str, times: dict, busy: list, copy) -> None:
+    """Runs copy(), adding its seconds to times[kind] and, for a bandwidth copy, the
+    machine's busy CPU seconds before and after it to busy."""
+    cpu, start = _busy_seconds(), time.perf_counter()
+    copy()
+    times[kind].append(time.perf_counter() - start)
+    if kind == "bw":
+        busy.append((cpu, _busy_seconds()))
+
+
 def measure(ctl: Control, backend: str, args, n_src: int) -> dict:
     """{'gbps': bytes/s / 1e9 (median), 'latency_ms': median, 'cores_busy': this machine's
     busy cores over the timed bandwidth copies (None off Linux, or when they took under 20
-    jiffies)} for one backend. Both
-    processes of a local probe count, so cores_busy / gbps is the CPU time a GB costs."""
+    jiffies)} for one backend. Both processes of a local probe count, so cores_busy / gbps
+    is the CPU time a GB costs."""
     import jax
     from hetjax.transfer import open_endpoint
     devices = jax.devices()[:args.dst_devices]
@@ -212,11 +222,8 @@ def measure(ctl: Control, backend: str, args, n_src: int) -> dict:
             buf.fill(0)
         try:
             for k in order:
-                cpu, start = _busy_seconds(), time.perf_counter()
-                ctl.send(go=k)
-                _raw_receive(listener, args.streams, bufs[k], conns, secret, args.timeout)
-                times[k].append(time.perf_counter() - start)
-                busy += [(cpu, _busy_seconds())] if k == "bw" else []
+                _timed(k, times, busy, lambda: (
+                    ctl.send(go=k), _raw_receive(listener, args.streams, bufs[k], conns, secret, args.timeout)))
                 ctl.recv()
             ctl.send(done=True)
         except socket.timeout:
@@ -231,11 +238,7 @@ def measure(ctl: Control, backend: str, args, n_src: int) -> dict:
             server_addresses = tuple(ctl.recv()["addresses"])
             for i, k in enumerate(order):
                 h = ep.recv(f"{k}{i}", likes[k], _layout(n_src), peers={0: server_addresses})
-                cpu, start = _busy_seconds(), time.perf_counter()
-                ctl.send(go=k, tag=f"{k}{i}")
-                h.wait().block_until_ready()
-                times[k].append(time.perf_counter() - start)
-                busy += [(cpu, _busy_seconds())] if k == "bw" else []
+                _timed(k, times, busy, lambda: (ctl.send(go=k, tag=f"{k}{i}"), h.wait().block_until_ready()))
                 h = None  # the received array goes, as a training step's would
                 ctl.recv()  # the sender had its acknowledgements
             ctl.send(done=True)
