@@ -50,9 +50,11 @@ def one_island_overrides(cfg) -> dict[str, str]:
                               f"islands on its `data` axis; give the islands pipeline=1 and data=1")
         return {"hetero.islands": "()", "mesh.pipeline": "1", "mesh.data": str(len(islands)),
                 "mesh.fsdp": str(m.fsdp), "mesh.tensor": str(m.tensor)}
+    # Interleaved chunks split the layers evenly, as the islands' placement does with V > 1.
+    stage_layers = placement.island_layers(cfg) if cfg.pipeline.virtual_stages == 1 else ()
     return {"hetero.islands": "()", "mesh.pipeline": str(len(islands)), "mesh.data": str(m.data),
             "mesh.fsdp": str(m.fsdp), "mesh.tensor": str(m.tensor),
-            "pipeline.stage_layers": str(placement.island_layers(cfg))}
+            "pipeline.stage_layers": str(stage_layers)}
 
 
 def main(argv: list[str]) -> int:

@@ -2,6 +2,7 @@
 like the same job on one island (losses within 1e-5 relative), and data-parallel
 islands hold bitwise-identical parameters."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -115,6 +116,29 @@ def test_data_islands_train_like_one_island_with_identical_parameters(tmp_path, 
         prints.add(manager.read_json(STEPS, "meta").meta["params_checksum"])
         manager.close()
     assert len(prints) == 1  # bit for bit the same parameters on both islands
+
+
+def test_islands_whose_parameters_differ_are_stopped_at_the_next_check(tmp_path):
+    """The identical-parameters check of data placement is read one call after it starts
+    (so that no island waits between steps), and at once on the last step."""
+    from hetjax import data
+    from hetjax.errors import IslandsDiverged
+    cfg = load(str(write_config(tmp_path, "islands", DATA_CASES["even"][0])), {"steps": "6"})
+    job = job_lib.IslandsJob(cfg, data.build(cfg), log=lambda line: None)
+    try:
+        states = job.state  # compared already at the start: the islands begin alike
+        job.check_identical(states, 1)
+        bad = list(states)  # island rocm's first tensor one ulp off
+        leaves, treedef = jax.tree.flatten(bad[1].params)
+        leaves[0] = jax.numpy.nextafter(leaves[0], jax.numpy.inf)
+        bad[1] = dataclasses.replace(bad[1], params=jax.tree.unflatten(treedef, leaves))
+        job.check_identical(bad, 3)  # due (fingerprint_every=3): started, not read yet
+        with pytest.raises(IslandsDiverged, match=r"fingerprint3: island rocm holds different parameters"):
+            job.check_identical(bad, 4)
+        with pytest.raises(IslandsDiverged, match=r"fingerprint6: .*1 of \d+ tensors differ"):
+            job.check_identical(bad, 6)  # the last step: read at once
+    finally:
+        job.close()
 
 
 def test_placement_splits_in_proportion_to_speed():

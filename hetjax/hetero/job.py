@@ -235,7 +235,10 @@ class IslandsJob:
         self.writes_fingerprints = settings is None or (local[0] == 0 and settings.process_id == 0)
         if not self.writes_fingerprints:  # one writer of run_dir's files per job
             self.run_dir = self.run_dir / "islands" / f"{settings.island}-{settings.process_id}"
-        self._batch_words: dict = {}
+        self._batch_words: dict = {}  # step -> its batch digest's end (digest_batch)
+        self._identical = None  # the started comparison of parameters (check_identical)
+        # Islands start from the same parameters; this also compiles the hashing before step 1.
+        self.check_identical(self.state, self.start)
 
     def _devices(self, local):
         h = self.cfg.hetero
@@ -318,22 +321,31 @@ class IslandsJob:
         return {"loss_sum": loss, "tokens": tokens}
 
     def digest_batch(self, step: int, batches) -> None:
-        """Starts the fingerprint of step `step`'s global batch (hetjax.repro)."""
-        self._batch_words[step] = [repro.batch_words(b) for b in batches]
+        """Starts the fingerprint of step `step`'s global batch (hetjax.repro). With data
+        placement, each island's share of it is hashed and sent to the others now, before
+        the step, and read after the next one (batch_digest): read at once, the exchange
+        could wait a whole step for a peer that had already started its next one."""
+        words = [repro.batch_words(b) for b in batches]
+        if self.cfg.hetero.placement == "pipeline":  # every island holds the whole batch
+            self._batch_words[step] = lambda: repro.combine_rows(words[0])
+            return
+        parts = [repro.combine_rows(w, rows=wk.rows[0]) for w, wk in zip(words, self.workers)]
+        if self.settings is None:  # virtual islands: every share is in this process
+            self._batch_words[step] = lambda: sum(parts) % 2**64
+            return
+        pair = np.asarray([parts[0] & 0xFFFFFFFF, parts[0] >> 32], np.uint32)
+        w = self.workers[0]
+        table = w.links.start_gather(pair, f"digest{step}", w.island.mesh)
+
+        def digest() -> int:
+            got = table().astype(np.uint64)
+            return sum(int(lo) | (int(hi) << 32) for lo, hi in got) % 2**64
+        self._batch_words[step] = digest
 
     def batch_digest(self, step: int) -> int:
         """The global batch's digest: any island's (pipeline: each holds it whole), or the
         sum of the islands' row shares (data)."""
-        words = self._batch_words.pop(step)
-        if self.cfg.hetero.placement == "pipeline":
-            return repro.combine_rows(words[0])
-        parts = [repro.combine_rows(w, rows=wk.rows[0]) for w, wk in zip(words, self.workers)]
-        if self.settings is not None:  # the other islands' shares are theirs: exchange them
-            pair = np.asarray([parts[0] & 0xFFFFFFFF, parts[0] >> 32], np.uint32)
-            w = self.workers[0]
-            got = w.links.gather(pair, f"digest{step}", w.island.mesh).astype(np.uint64)
-            parts = [int(lo) | (int(hi) << 32) for lo, hi in got]
-        return sum(parts) % 2**64
+        return self._batch_words.pop(step)()
 
     def param_fingerprint(self, states) -> repro.ParamFingerprint:
         """The whole model's fingerprint: the sum of every island's part."""
@@ -348,10 +360,22 @@ class IslandsJob:
         return total
 
     def check_identical(self, states, step: int) -> None:
-        """Data placement: every fingerprint_every steps, islands compare parameter hashes."""
+        """Data placement: every fingerprint_every steps (and at the start), islands compare
+        parameter hashes. A comparison is read at the next call, one step later, so that no
+        island waits between steps for a peer already in its next step; the last step's is
+        read at once."""
+        self._read_identical()
         every = self.cfg.hetero.fingerprint_every
-        if self.cfg.hetero.placement == "data" and every and step % every == 0:
-            self._each(lambda w, s: w.stage.check_identical(s.params, f"fingerprint{step}"), states)
+        if self.cfg.hetero.placement == "data" and every and (step % every == 0 or step == self.start):
+            self._identical = self._each(lambda w, s: w.stage.check_identical(s.params, f"fingerprint{step}"),
+                                         states)
+            if step >= self.cfg.steps:
+                self._read_identical()
+
+    def _read_identical(self) -> None:
+        if self._identical is not None:
+            ends, self._identical = self._identical, None
+            self._each(lambda w, end: end(), ends)
 
     def flops_per_step(self) -> float:
         model = nnx.eval_shape(lambda: state_lib.make_model(self.cfg.model, self.cfg.seed))

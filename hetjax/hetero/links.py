@@ -114,18 +114,25 @@ class Links:
         """Every island's `tree`, in island order (ours included as given): we send ours to
         every other island (of `among`, default all) and receive theirs.
         *_layouts_of(j): island j's layouts of it."""
+        return self.start_all_to_all(tree, what, src_layouts_of, dst_layouts_of, like, among)()
+
+    def start_all_to_all(self, tree, what: str, src_layouts_of, dst_layouts_of, like, among=None):
+        """all_to_all's sends and receives, started now; returns the wait for its result."""
         among = range(self.n) if among is None else among
         others = [j for j in among if j != self.k]
         sends = [(j, self.send(j, tree, what, dst_layouts_of(j))) for j in others]
         recvs = {j: self.recv(j, what, like, src_layouts_of(j)) for j in others}
-        try:
-            out = [tree if j == self.k else self.wait(recvs[j], j) for j in among]
-        except IslandLost:
-            self.raise_failed_sends(sends)
-            raise
-        for j, h in sends:
-            self.wait(h, j, sent=True)
-        return out
+
+        def finish() -> list:
+            try:
+                out = [tree if j == self.k else self.wait(recvs[j], j) for j in among]
+            except IslandLost:
+                self.raise_failed_sends(sends)
+                raise
+            for j, h in sends:
+                self.wait(h, j, sent=True)
+            return out
+        return finish
 
     def raise_failed_sends(self, sends) -> None:
         """A receive that timed out may be our own send's fault: say so first (named as
@@ -137,6 +144,13 @@ class Links:
     def gather(self, values, what: str, mesh) -> np.ndarray:
         """(islands, *values.shape) on the host: every island's small array `values`
         (replicated on each island), bits unchanged, in island order."""
+        return self.start_gather(values, what, mesh)()
+
+    def start_gather(self, values, what: str, mesh):
+        """gather, started now; returns the wait for its table. Read it a step later when
+        nothing needs it sooner: a peer's message that is pulled (`direct`) while the peer
+        runs its next step is copied off its devices only after that step on XLA:CPU, so a
+        gather read at once between steps could wait a whole step for it."""
         replicated = NamedSharding(mesh, PartitionSpec())
         if isinstance(values, jax.Array) and values.committed:  # already a global array of the island
             mine = jax.device_put(values, replicated)
@@ -147,8 +161,8 @@ class Links:
             return geometry(self.cfg, j).layout(PartitionSpec())
 
         like = jax.ShapeDtypeStruct(mine.shape, mine.dtype, sharding=replicated)
-        got = self.all_to_all(mine, what, layout, layout, like)
-        return np.stack([np.asarray(jax.device_get(x)) for x in got])
+        finish = self.start_all_to_all(mine, what, layout, layout, like)
+        return lambda: np.stack([np.asarray(jax.device_get(x)) for x in finish()])
 
     def totals(self, values, what: str, mesh) -> tuple[np.ndarray, np.ndarray]:
         """(every island's float32 `values` added in island order, the same on every island;

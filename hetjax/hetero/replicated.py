@@ -66,14 +66,19 @@ class DataShare:
         mine = jnp.stack([out["loss_sum"], out["tokens"]]).astype(jnp.float32)
         return self.links.totals(mine, f"{what}/totals", self.island.mesh)[0]
 
-    def check_identical(self, params, what: str) -> None:
-        """Compares exact, layout-independent hashes of every parameter across islands;
-        IslandsDiverged names the first leaf and islands that differ."""
+    def check_identical(self, params, what: str):
+        """Starts comparing exact, layout-independent hashes of every parameter across
+        islands; returns the comparison's end, which raises IslandsDiverged naming the
+        first leaf and islands that differ."""
         isl = self.island
         hashes = digest.leaf_checksums(params)
         names = sorted(hashes)
         words = np.array([[int(hashes[k][:8], 16), int(hashes[k][8:], 16)] for k in names], np.uint32)
-        got = self.links.gather(words, what, isl.mesh)  # (islands, tensors, 2)
+        table = self.links.start_gather(words, what, isl.mesh)  # -> (islands, tensors, 2)
+        return lambda: self._compare(table(), names, what)
+
+    def _compare(self, got, names, what: str) -> None:
+        isl = self.island
         for j in range(isl.count):
             bad = np.nonzero((got[j] != got[0]).any(-1))[0]
             if len(bad):
