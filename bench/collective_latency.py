@@ -62,8 +62,13 @@ def _run(world: int, devices: int, mib: float, iters: int, timeout_s: float) -> 
                                "--world", str(world), "--devices", str(devices), "--port", str(port),
                                "--mib", str(mib), "--iters", str(iters)],
                               env=env, stdout=subprocess.PIPE, text=True) for rank in range(world)]
+    deadline = time.monotonic() + timeout_s  # one limit for the whole world
     try:
-        outs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+        outs = [p.communicate(timeout=max(deadline - time.monotonic(), 0.0))[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        hung = [rank for rank, p in enumerate(procs) if p.poll() is None]
+        raise SystemExit(f"ranks {hung} did not finish within --timeout={timeout_s:g} s; raise --timeout "
+                         f"on a loaded machine") from None
     finally:
         for p in procs:
             if p.poll() is None:
@@ -89,6 +94,8 @@ def main(argv=None) -> int:
     for name in ("processes", "iters"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name}={getattr(args, name)}: must be at least 1")
+    if args.timeout <= 0:
+        raise SystemExit(f"--timeout={args.timeout:g}: must be positive (seconds), e.g. --timeout 300")
     if args.mib * 2**20 < 4:
         raise SystemExit(f"--mib={args.mib:g}: must hold at least one float32 (4 bytes); use e.g. --mib 3")
     n = args.processes

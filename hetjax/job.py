@@ -66,13 +66,16 @@ class Job(Protocol):
         """Starts the digest of step `step`'s global batch (hetjax.repro)."""
 
     def batch_digest(self, step: int) -> int:
-        """The digest started by digest_batch(step), completed."""
+        """The digest started by digest_batch(step), completed (islands may wait for a
+        peer's share of it)."""
 
     def param_fingerprint(self, state: Any) -> repro.ParamFingerprint:
         """The whole model's parameter fingerprint, independent of layout."""
 
     def check_identical(self, state: Any, step: int) -> None:
-        """Raises if copies of the parameters that must agree bit for bit do not."""
+        """Raises if copies of the parameters that must agree bit for bit do not; a job may
+        raise for step s at its next call instead (islands: one step later), but before
+        it saves a checkpoint and at once on the last step."""
 
     def flops_per_step(self) -> float:
         """Model FLOPs of one step (6N + attention), for MFU."""

@@ -120,25 +120,39 @@ def test_data_islands_train_like_one_island_with_identical_parameters(tmp_path, 
 
 def test_islands_whose_parameters_differ_are_stopped_at_the_next_check(tmp_path):
     """The identical-parameters check of data placement is read one call after it starts
-    (so that no island waits between steps), and at once on the last step."""
+    (so that no island waits between steps), before any checkpoint is saved, and at once
+    on the last step."""
     from hetjax import data
     from hetjax.errors import IslandsDiverged
-    cfg = load(str(write_config(tmp_path, "islands", DATA_CASES["even"][0])), {"steps": "6"})
-    job = job_lib.IslandsJob(cfg, data.build(cfg), log=lambda line: None)
-    try:
-        states = job.state  # compared already at the start: the islands begin alike
-        job.check_identical(states, 1)
-        bad = list(states)  # island rocm's first tensor one ulp off
+    cfg = load(str(write_config(tmp_path, "islands", DATA_CASES["even"][0])),
+               {"steps": "6", "run_dir": str(tmp_path / "run")})
+
+    def diverged(states):  # island rocm's first tensor one ulp off
+        bad = list(states)
         leaves, treedef = jax.tree.flatten(bad[1].params)
         leaves[0] = jax.numpy.nextafter(leaves[0], jax.numpy.inf)
         bad[1] = dataclasses.replace(bad[1], params=jax.tree.unflatten(treedef, leaves))
-        job.check_identical(bad, 3)  # due (fingerprint_every=3): started, not read yet
-        with pytest.raises(IslandsDiverged, match=r"fingerprint3: island rocm holds different parameters"):
-            job.check_identical(bad, 4)
-        with pytest.raises(IslandsDiverged, match=r"fingerprint6: .*1 of \d+ tensors differ"):
-            job.check_identical(bad, 6)  # the last step: read at once
-    finally:
-        job.close()
+        return bad
+
+    started = r"fingerprint3: island rocm holds different parameters than island cuda \(1 of \d+ tensors differ"
+    for case in ("next call", "save", "last step"):  # a fresh job each: a failed check closes its links
+        job = job_lib.IslandsJob(cfg, data.build(cfg), log=lambda line: None)
+        try:
+            job.check_identical(job.state, 1)  # compared already at the start: the islands begin alike
+            bad = diverged(job.state)
+            if case == "last step":
+                with pytest.raises(IslandsDiverged, match=r"fingerprint6: "):
+                    job.check_identical(bad, 6)  # read at once
+                continue
+            job.check_identical(bad, 3)  # due (fingerprint_every=3): started, not read yet
+            with pytest.raises(IslandsDiverged, match=started):
+                if case == "next call":
+                    job.check_identical(bad, 4)
+                else:  # read before a checkpoint is saved: none is written
+                    job.checkpoints.save(3, bad, job.batches.get_state(), {})
+            assert job.checkpoints.steps() == []
+        finally:
+            job.close()
 
 
 def test_placement_splits_in_proportion_to_speed():

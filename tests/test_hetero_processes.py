@@ -64,6 +64,31 @@ def test_two_islands_of_two_processes_give_the_single_island_pipelines_losses(tm
     assert want[9] < want[0] - 0.2  # it trained
 
 
+def batch_digests(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "fingerprints.jsonl").read_text().splitlines()]
+    return {r["step"]: r["batch"] for r in rows if r["kind"] == "step"}
+
+
+def test_data_islands_as_processes_over_direct_give_one_islands_losses_and_batches(tmp_path):
+    # Data placement exchanges each step's batch-digest shares and, every 2 steps, parameter
+    # hashes, read a step later (the path that used to stall on `direct`).
+    path = write_config(tmp_path, processes=1)
+    overrides = {"hetero.placement": "data", "hetero.fingerprint_every": "2", "steps": "6",
+                 "fingerprint_every": "2", "checkpoint.every": "3"}
+    code = local.run(path, {**overrides, "run_dir": str(tmp_path / "islands")}, stand_in="cpu", backend="direct")
+    assert code == 0, (tmp_path / "islands" / "logs" / "cuda-0.log").read_text()[-3000:]
+    assert train.main(["--config", path, "--config.hetero.islands=()", "--config.mesh.data=2", "--config.mesh.fsdp=4",
+                       f"--config.run_dir={tmp_path / 'one'}", "--config.steps=6", "--config.fingerprint_every=2"]) == 0
+    want, got = losses(tmp_path / "one"), losses(tmp_path / "islands")
+    assert sorted(got) == sorted(want) == list(range(6))
+    for s in want:
+        assert got[s] == pytest.approx(want[s], rel=1e-5), (s, got[s], want[s])
+    assert batch_digests(tmp_path / "islands") == batch_digests(tmp_path / "one")  # the same tokens each step
+    sums = {checkpoint.Manager(tmp_path / "islands" / "checkpoints" / name).read_json(6, "meta").meta["params_checksum"]
+            for name in ("cuda", "rocm")}
+    assert len(sums) == 1  # both islands saved bitwise-identical parameters
+
+
 def test_a_killed_process_stops_every_island_and_no_later_checkpoint_counts(tmp_path):
     path = write_config(tmp_path, processes=1)
     run_dir = tmp_path / "run"

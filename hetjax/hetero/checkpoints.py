@@ -38,6 +38,7 @@ class Checkpoints:
         return self.job.workers[0].manager.should_save(step)
 
     def save(self, step: int, states, data_state: dict, config: dict) -> None:
+        self.job.read_identical()  # never a checkpoint of islands that have drifted apart
         # One island after the other: orbax numbers a process's save operations in one
         # global counter, and two saves started at once from two threads (virtual
         # islands) mix up each other's temporary directories. The saves stay asynchronous.

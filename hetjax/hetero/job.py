@@ -237,8 +237,12 @@ class IslandsJob:
             self.run_dir = self.run_dir / "islands" / f"{settings.island}-{settings.process_id}"
         self._batch_words: dict = {}  # step -> its batch digest's end (digest_batch)
         self._identical = None  # the started comparison of parameters (check_identical)
-        # Islands start from the same parameters; this also compiles the hashing before step 1.
-        self.check_identical(self.state, self.start)
+        try:  # islands start from the same parameters; this also compiles the hashing before step 1
+            self.check_identical(self.state, self.start)
+            self.read_identical()
+        except BaseException:
+            self.close()
+            raise
 
     def _devices(self, local):
         h = self.cfg.hetero
@@ -362,17 +366,19 @@ class IslandsJob:
     def check_identical(self, states, step: int) -> None:
         """Data placement: every fingerprint_every steps (and at the start), islands compare
         parameter hashes. A comparison is read at the next call, one step later, so that no
-        island waits between steps for a peer already in its next step; the last step's is
-        read at once."""
-        self._read_identical()
+        island waits between steps for a peer already in its next step; it is read at once
+        on the last step, and before any checkpoint is saved (read_identical)."""
+        self.read_identical()
         every = self.cfg.hetero.fingerprint_every
         if self.cfg.hetero.placement == "data" and every and (step % every == 0 or step == self.start):
             self._identical = self._each(lambda w, s: w.stage.check_identical(s.params, f"fingerprint{step}"),
                                          states)
             if step >= self.cfg.steps:
-                self._read_identical()
+                self.read_identical()
 
-    def _read_identical(self) -> None:
+    def read_identical(self) -> None:
+        """Reads the comparison check_identical started, if any (IslandsDiverged if the
+        islands differ): a checkpoint of diverged islands would resume nothing good."""
         if self._identical is not None:
             ends, self._identical = self._identical, None
             self._each(lambda w, end: end(), ends)
