@@ -235,10 +235,10 @@ class IslandsJob:
         self.writes_fingerprints = settings is None or (local[0] == 0 and settings.process_id == 0)
         if not self.writes_fingerprints:  # one writer of run_dir's files per job
             self.run_dir = self.run_dir / "islands" / f"{settings.island}-{settings.process_id}"
-        self._batch_words: dict = {}  # step -> its batch digest's end (digest_batch)
+        self._digests: dict = {}  # step -> the end of its batch digest (digest_batch)
         self._identical = None  # the started comparison of parameters (check_identical)
         try:  # islands start from the same parameters; this also compiles the hashing before step 1
-            self.check_identical(self.state, self.start)
+            self._start_identical(self.state, self.start)
             self.read_identical()
         except BaseException:
             self.close()
@@ -331,25 +331,28 @@ class IslandsJob:
         could wait a whole step for a peer that had already started its next one."""
         words = [repro.batch_words(b) for b in batches]
         if self.cfg.hetero.placement == "pipeline":  # every island holds the whole batch
-            self._batch_words[step] = lambda: repro.combine_rows(words[0])
+            self._digests[step] = lambda: repro.combine_rows(words[0])
             return
-        parts = [repro.combine_rows(w, rows=wk.rows[0]) for w, wk in zip(words, self.workers)]
-        if self.settings is None:  # virtual islands: every share is in this process
-            self._batch_words[step] = lambda: sum(parts) % 2**64
+
+        def shares() -> list[int]:
+            return [repro.combine_rows(w, rows=wk.rows[0]) for w, wk in zip(words, self.workers)]
+        if self.settings is None:  # virtual islands: every share is in this process, nothing to send
+            self._digests[step] = lambda: sum(shares()) % 2**64
             return
-        pair = np.asarray([parts[0] & 0xFFFFFFFF, parts[0] >> 32], np.uint32)
+        mine = shares()[0]  # one island per process
         w = self.workers[0]
-        table = w.links.start_gather(pair, f"digest{step}", w.island.mesh)
+        table = w.links.start_gather(np.asarray([mine & 0xFFFFFFFF, mine >> 32], np.uint32),
+                                     f"digest{step}", w.island.mesh)
 
         def digest() -> int:
             got = table().astype(np.uint64)
             return sum(int(lo) | (int(hi) << 32) for lo, hi in got) % 2**64
-        self._batch_words[step] = digest
+        self._digests[step] = digest
 
     def batch_digest(self, step: int) -> int:
         """The global batch's digest: any island's (pipeline: each holds it whole), or the
         sum of the islands' row shares (data)."""
-        return self._batch_words.pop(step)()
+        return self._digests.pop(step)()
 
     def param_fingerprint(self, states) -> repro.ParamFingerprint:
         """The whole model's fingerprint: the sum of every island's part."""
@@ -370,11 +373,15 @@ class IslandsJob:
         on the last step, and before any checkpoint is saved (read_identical)."""
         self.read_identical()
         every = self.cfg.hetero.fingerprint_every
-        if self.cfg.hetero.placement == "data" and every and (step % every == 0 or step == self.start):
-            self._identical = self._each(lambda w, s: w.stage.check_identical(s.params, f"fingerprint{step}"),
-                                         states)
+        if every and step % every == 0:
+            self._start_identical(states, step)
             if step >= self.cfg.steps:
                 self.read_identical()
+
+    def _start_identical(self, states, step: int) -> None:
+        if self.cfg.hetero.placement == "data" and self.cfg.hetero.fingerprint_every:
+            self._identical = self._each(lambda w, s: w.stage.check_identical(s.params, f"fingerprint{step}"),
+                                         states)
 
     def read_identical(self) -> None:
         """Reads the comparison check_identical started, if any (IslandsDiverged if the
