@@ -76,6 +76,9 @@ def test_pipeline_islands_train_like_one_island(tmp_path):
                     "--config.pipeline.stage_layers=(2,1)", "--config.model.num_layers=3",
                     "--config.model.tie_embeddings=True")
     assert_close(islands, one)
+    # The first island keeps its forwards' residuals by default; recomputing them trains the same.
+    recomputed, _ = losses(tmp_path, config, "recomputed", "--config.pipeline.recompute=True")
+    assert_close(recomputed, one)
 
 
 DATA_CASES = {

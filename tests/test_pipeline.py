@@ -14,6 +14,7 @@ from hetjax.config import (Config, ConfigError, MeshConfig, ModelConfig, OptimCo
                            validate)
 from hetjax.mesh import make_mesh
 from hetjax.optim import learning_rate_schedule
+from hetjax.pipeline import stages
 from hetjax.pipeline.schedule import check
 from tests.test_sharding import build
 
@@ -156,8 +157,9 @@ def test_the_command_draws_every_schedule_the_interleaved_ones_included(capsys):
 # Stages as plain functions (what islands run), against the whole model
 
 
-@pytest.mark.parametrize("unroll", [False, True], ids=["scanned", "unrolled"])
-def test_stage_functions_chained_equal_the_model(unroll):
+@pytest.mark.parametrize("unroll, kept", [(False, False), (True, False), (False, True)],
+                         ids=["scanned", "unrolled", "residuals-kept"])
+def test_stage_functions_chained_equal_the_model(unroll, kept):
     cfg = CFG.model
     mesh, rules, tx, graphdef, shardings, state = build(CFG, MeshConfig(fsdp=1), 1)
     params = jax.device_get(state.params)
@@ -170,14 +172,32 @@ def test_stage_functions_chained_equal_the_model(unroll):
     layout = pipeline.make_layout(cfg.num_layers, 3, (1, 3, 2))
     parts = [pipeline.stage_params(params, layout, s) for s in range(3)]
     kw = [dict(first=s == 0, last=s == 2, unroll=unroll) for s in range(3)]
-    xs = [None]
+    # Islands' non-last stages keep their forward's residuals instead (config.pipeline.recompute).
+    residuals = [stages.Residuals() for _ in range(2)]
+    forward_keeping = [jax.jit(lambda p, x, b, s=s: stages.stage_forward_keeping(
+        graphdef, p, x, b, residuals[s], first=s == 0, unroll=unroll)) for s in range(2)]
+    backward_kept = [jax.jit(lambda p, x, k, dy, s=s: stages.stage_backward_kept(p, x, k, dy, residuals[s]))
+                     for s in range(2)]
+    xs, kept_by = [None], {}
     for s in range(3):
-        xs.append(forward(graphdef, parts[s], xs[-1], batch, **kw[s]))
+        if kept and s < 2:
+            y, kept_by[s] = forward_keeping[s](parts[s], xs[-1], batch)
+            # The stage's weight matrices go back in as the backward's arguments, not out as
+            # residuals (a norm's scale may go out reshaped: a derived value, and small).
+            leaves = jax.tree_util.tree_leaves_with_path((parts[s], xs[-1]))
+            weights = {k for k, (path, v) in enumerate(leaves) if "blocks" in jax.tree_util.keystr(path) and v.ndim >= 3}
+            assert weights and weights <= set(residuals[s].positions)
+            xs.append(y)
+        else:
+            xs.append(forward(graphdef, parts[s], xs[-1], batch, **kw[s]))
     np.testing.assert_allclose(xs[-1], loss, rtol=1e-6)
     dy, grads = None, []
     for s in reversed(range(3)):
         x = jnp.zeros_like(xs[1]) if s == 0 else xs[s]
-        g, dy, _ = backward(graphdef, parts[s], x, batch, dy, **kw[s])
+        if kept and s < 2:
+            g, dy = backward_kept[s](parts[s], xs[s], kept_by[s], dy)
+        else:
+            g, dy, _ = backward(graphdef, parts[s], x, batch, dy, **kw[s])
         grads.insert(0, dict((jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_leaves_with_path(g)))
     for path, r in jax.tree_util.tree_leaves_with_path(ref):
         key = jax.tree_util.keystr(path)

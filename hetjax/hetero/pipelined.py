@@ -9,6 +9,11 @@ Interleaved stages (config.pipeline.virtual_stages = V > 1): island k holds chun
 v*n + k (hetjax.hetero.island.chunks_of) and runs each as virtual stage j = v*n + k:
 its input comes from virtual stage j-1 (the last island's chunk v-1 for island 0) and
 its output gradient from j+1. Each chunk has its own forward and backward programs.
+
+A chunk that is not the last virtual stage keeps its forward's residuals for its
+backward (config.pipeline.recompute=False, the default): on islands the first one's
+backward otherwise runs its forward again while the last one's runs it once, fused with
+the loss, and the island that recomputes sets the pace.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from hetjax.compile import aot
 from hetjax.hetero import island as island_lib
 from hetjax.hetero.update import add_in_order, make_apply, sum_of_squares
 from hetjax.pipeline.schedule import forward_only, make_schedule
-from hetjax.pipeline.stages import add_chunk, chunk_of, stage_backward, stage_forward
+from hetjax.pipeline.stages import (Residuals, add_chunk, chunk_of, stage_backward, stage_backward_kept,
+                                    stage_forward, stage_forward_keeping)
 from hetjax.step import split_micro
 
 
@@ -76,16 +82,37 @@ class PipelineStage:
             # micro-batch index, stage input[, its output gradient]).
             x_like, dy_like = (None if first else self.act_like), (None if last else self.act_like)
             suffix = "" if V == 1 else str(v)
-            return (island.compile(fwd, P, B, index, x_like, out_shardings=replicated if last else act,
-                                   name=f"fwd{suffix}"),
-                    island.compile(bwd, P, P, scalar, B, index, x_like, dy_like, donate_argnums=(1, 2),
-                                   out_shardings=(params_sh, None if first else act, replicated),
-                                   name=f"bwd{suffix}"))
+            if last or cfg.pipeline.recompute:
+                return (island.compile(fwd, P, B, index, x_like, out_shardings=replicated if last else act,
+                                       name=f"fwd{suffix}"),
+                        island.compile(bwd, P, P, scalar, B, index, x_like, dy_like, donate_argnums=(1, 2),
+                                       out_shardings=(params_sh, None if first else act, replicated),
+                                       name=f"bwd{suffix}"))
+            residuals = Residuals()
+
+            def fwd_keeping(params, batch, m, x):
+                with sharding.logical_rules(mesh, rules):
+                    return stage_forward_keeping(graphdef, mine(params), x, pick(batch, m), residuals, first=first)
+
+            def bwd_kept(params, acc, kept, x, dy):
+                with sharding.logical_rules(mesh, rules):
+                    g, dx = stage_backward_kept(mine(params), x, kept, dy, residuals)
+                acc = jax.tree.map(jnp.add, acc, g) if V == 1 else add_chunk(acc, g, v, size)
+                return acc, (None if first else dx)
+
+            # The residuals' shardings are the compiler's choice; the backward takes them so.
+            forward = jax.jit(fwd_keeping, out_shardings=(act, None)).lower(P, B, index, x_like).compile()
+            kept_like = forward.out_info[1]
+            return (island.program(forward, f"fwd{suffix}"),
+                    island.compile(bwd_kept, P, P, kept_like, x_like, dy_like, donate_argnums=(1, 2),
+                                   out_shardings=(params_sh, None if first else act), name=f"bwd{suffix}"))
 
         P = aot.abstract(island.abstract.params, params_sh)
         B, index, scalar = island.abstract_batch(), island.like((), jnp.int32), island.like((), jnp.float32)
         self.index = [island.put(np.int32(m)) for m in range(self.M)]
         self.fwd, self.bwd = zip(*[programs(v) for v in range(V)])
+        # Which chunks' forwards return (activation, residuals) and backwards take them.
+        self.keeps = [not cfg.pipeline.recompute and self.virtual(v) < self.J - 1 for v in range(V)]
         self.zeros = island.compile(lambda p: (jax.tree.map(jnp.zeros_like, p), jnp.zeros((), jnp.float32)),
                                     P, out_shardings=(params_sh, replicated), name="zeros")
         self.count = island.compile(lambda b: jnp.sum(b["loss_mask"].astype(jnp.float32)), B,
@@ -128,11 +155,14 @@ class PipelineStage:
             label = f"{op}{m}" + ("" if self.V == 1 else f".{v}")
             if op == "F":
                 x = links.wait(recv_x.pop((m, v)), self._peer(j - 1)) if j > 0 else None
-                if train:
-                    stash[m, v] = x
                 if j == J - 1 and train:
+                    stash[m, v] = x
                     continue  # the last stage's backward computes its forward and the loss
                 y = self.fwd[v](params, batch, mm, x, label=label)
+                if self.keeps[v]:
+                    y, kept = y  # an eval drops the residuals at once
+                if train:  # what the backward reads: the residuals and input, or the input alone
+                    stash[m, v] = (kept, x) if self.keeps[v] else x
                 if j == J - 1:
                     loss = loss + y
                 else:
@@ -140,7 +170,10 @@ class PipelineStage:
                     sends.append((nxt, links.send(nxt, y, self._tag(what, "x", m, j + 1), layout[nxt])))
             else:
                 dy = None if j == J - 1 else links.wait(recv_dy.pop((m, v)), self._peer(j + 1))
-                acc, dx, loss = self.bwd[v](params, acc, loss, batch, mm, stash.pop((m, v)), dy, label=label)
+                if self.keeps[v]:
+                    acc, dx = self.bwd[v](params, acc, *stash.pop((m, v)), dy, label=label)
+                else:
+                    acc, dx, loss = self.bwd[v](params, acc, loss, batch, mm, stash.pop((m, v)), dy, label=label)
                 if j > 0:
                     prev = self._peer(j - 1)
                     sends.append((prev, links.send(prev, dx, self._tag(what, "dy", m, j - 1), layout[prev])))

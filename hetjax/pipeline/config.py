@@ -26,6 +26,12 @@ class PipelineConfig:
     # README). True compiles faster when a stage holds many layers. The losses are the same.
     # Islands' stage programs scan either way (unrolling measured no faster there).
     scan_layers: bool = False
+    # Islands (pipeline placement): False keeps each forward's residuals on its island
+    # until its backward, which then need not run the forward again (measured faster:
+    # README, "Islands at the speed of one island"); True recomputes the forward from the
+    # stashed stage input, holding only that input per micro-batch in flight. The
+    # one-program pipeline always recomputes. The losses are the same.
+    recompute: bool = False
 
 
 def validate_pipeline(cfg) -> None:

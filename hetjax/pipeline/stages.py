@@ -212,3 +212,41 @@ def stage_backward(graphdef, params, x, batch, dy, *, first: bool, last: bool, v
                                                   gather_free=gather_free, unroll=unroll), params, x)
     grads, dx = vjp(jnp.ones_like(out) if last else dy)
     return grads, dx, (out if last else jnp.zeros((), jnp.float32))
+
+
+class Residuals:
+    """What a stage's backward reads from its forward (jax.vjp's residuals), less the
+    parameters and input among them: the backward program takes those as arguments
+    anyway, and a forward program that returned them would copy them. The forward's
+    trace records where they sit (`split`), the backward's trace puts them back (`join`),
+    so the forward must be traced first."""
+
+    def __init__(self):
+        self.treedef, self.positions = None, None
+
+    def split(self, vjp, args) -> list:
+        leaves, treedef = jax.tree.flatten(vjp)
+        where = {id(a): k for k, a in enumerate(jax.tree.leaves(args))}
+        self.treedef, self.positions = treedef, [where.get(id(leaf)) for leaf in leaves]
+        return [leaf for leaf, k in zip(leaves, self.positions) if k is None]
+
+    def join(self, kept: list, args):
+        assert self.treedef is not None, "the forward is traced before the backward"
+        given, rest = jax.tree.leaves(args), iter(kept)
+        return jax.tree.unflatten(self.treedef, [next(rest) if k is None else given[k] for k in self.positions])
+
+
+def stage_forward_keeping(graphdef, params, x, batch, residuals: Residuals, *, first: bool, valid=None,
+                          gather_free: bool = False, unroll: bool = False):
+    """stage_forward of a stage that is not the last, and the residuals its backward
+    reads (stage_backward_kept), so that the backward need not run the forward again:
+    ((b, T, D) activation, residuals)."""
+    y, vjp = jax.vjp(lambda p, x: stage_forward(graphdef, p, x, batch, first=first, last=False, valid=valid,
+                                                gather_free=gather_free, unroll=unroll), params, x)
+    return y, residuals.split(vjp, (params, x))
+
+
+def stage_backward_kept(params, x, kept: list, dy, residuals: Residuals):
+    """(parameter gradients, input gradient) of a stage from the residuals its forward
+    kept (stage_forward_keeping) and dy, the gradient of its output."""
+    return residuals.join(kept, (params, x))(dy)
