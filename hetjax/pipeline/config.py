@@ -30,7 +30,8 @@ class PipelineConfig:
     # until its backward, which then need not run the forward again (measured faster:
     # README, "Islands at the speed of one island"); True recomputes the forward from the
     # stashed stage input, holding only that input per micro-batch in flight. The
-    # one-program pipeline always recomputes. The losses are the same.
+    # one-program pipeline always recomputes: keeping residuals in its tick loop's carry
+    # measured 1.4-1.7x slower (docs/DESIGN.md). The losses are the same.
     recompute: bool = False
 
 
