@@ -185,7 +185,8 @@ def test_stage_functions_chained_equal_the_model(unroll, kept):
             # The stage's weight matrices go back in as the backward's arguments, not out as
             # residuals (a norm's scale may go out reshaped: a derived value, and small).
             leaves = jax.tree_util.tree_leaves_with_path((parts[s], xs[-1]))
-            weights = {k for k, (path, v) in enumerate(leaves) if "blocks" in jax.tree_util.keystr(path) and v.ndim >= 3}
+            weights = {k for k, (path, v) in enumerate(leaves)
+                       if "blocks" in jax.tree_util.keystr(path) and v.ndim >= 3}
             assert weights and weights <= set(residuals[s].positions)
             xs.append(y)
         else:
@@ -204,6 +205,33 @@ def test_stage_functions_chained_equal_the_model(unroll, kept):
         # A stage's layers are its own; embedding and head gradients add over stages.
         g = np.concatenate([g[key] for g in grads]) if "blocks" in key else sum(g[key] for g in grads)
         np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-6 * np.abs(r).max(), err_msg=key)
+
+
+def test_kept_residuals_hold_no_copy_of_the_weights_under_mixed_precision():
+    # bf16 compute over fp32 weights: every layer casts its weights, and saved casts would
+    # be a copy of the stage's weights per micro-batch in flight.
+    cfg = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, dtype="bfloat16"))
+    mesh, rules, tx, graphdef, shardings, state = build(cfg, MeshConfig(fsdp=1), 1)
+    layout = pipeline.make_layout(cfg.model.num_layers, 3, (1, 3, 2))
+    part = pipeline.stage_params(jax.device_get(state.params), layout, 1)  # a middle stage: 3 layers
+    batch = data.build(cfg).train.rows(np.arange(4))
+    x = jax.random.normal(jax.random.key(0), (4, cfg.seq_len, cfg.model.embed_dim), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(1), x.shape, jnp.bfloat16)
+    residuals = stages.Residuals()
+    y, kept = jax.jit(lambda p, x: stages.stage_forward_keeping(graphdef, p, x, batch, residuals, first=False))(part, x)
+    weights = {w.shape for path, w in jax.tree_util.tree_leaves_with_path(part)
+               if "blocks" in jax.tree_util.keystr(path) and w.ndim >= 3}
+    assert weights and not weights & {r.shape for r in kept}
+    # The gradients are jax.vjp's of the plain stage.
+    g, dx = jax.jit(lambda p, x, k, dy: stages.stage_backward_kept(p, x, k, dy, residuals))(part, x, kept, dy)
+    want_y, vjp = jax.vjp(lambda p, x: pipeline.stage_forward(graphdef, p, x, batch, first=False, last=False),
+                          part, x)
+    want_g, want_dx = vjp(dy)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want_y, np.float32))
+    np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(want_dx, np.float32), rtol=2e-2, atol=2e-2)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(want_g)):
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(),
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 # ---------------------------------------------------------------------------

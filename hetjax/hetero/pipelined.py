@@ -82,7 +82,7 @@ class PipelineStage:
             # micro-batch index, stage input[, its output gradient]).
             x_like, dy_like = (None if first else self.act_like), (None if last else self.act_like)
             suffix = "" if V == 1 else str(v)
-            if last or cfg.pipeline.recompute:
+            if not self.keeps[v]:
                 return (island.compile(fwd, P, B, index, x_like, out_shardings=replicated if last else act,
                                        name=f"fwd{suffix}"),
                         island.compile(bwd, P, P, scalar, B, index, x_like, dy_like, donate_argnums=(1, 2),
@@ -104,15 +104,16 @@ class PipelineStage:
             forward = jax.jit(fwd_keeping, out_shardings=(act, None)).lower(P, B, index, x_like).compile()
             kept_like = forward.out_info[1]
             return (island.program(forward, f"fwd{suffix}"),
-                    island.compile(bwd_kept, P, P, kept_like, x_like, dy_like, donate_argnums=(1, 2),
+                    # Only the accumulator is donated: no output has a residual's shape.
+                    island.compile(bwd_kept, P, P, kept_like, x_like, dy_like, donate_argnums=1,
                                    out_shardings=(params_sh, None if first else act), name=f"bwd{suffix}"))
 
         P = aot.abstract(island.abstract.params, params_sh)
         B, index, scalar = island.abstract_batch(), island.like((), jnp.int32), island.like((), jnp.float32)
         self.index = [island.put(np.int32(m)) for m in range(self.M)]
-        self.fwd, self.bwd = zip(*[programs(v) for v in range(V)])
         # Which chunks' forwards return (activation, residuals) and backwards take them.
         self.keeps = [not cfg.pipeline.recompute and self.virtual(v) < self.J - 1 for v in range(V)]
+        self.fwd, self.bwd = zip(*[programs(v) for v in range(V)])
         self.zeros = island.compile(lambda p: (jax.tree.map(jnp.zeros_like, p), jnp.zeros((), jnp.float32)),
                                     P, out_shardings=(params_sh, replicated), name="zeros")
         self.count = island.compile(lambda b: jnp.sum(b["loss_mask"].astype(jnp.float32)), B,
@@ -160,7 +161,7 @@ class PipelineStage:
                     continue  # the last stage's backward computes its forward and the loss
                 y = self.fwd[v](params, batch, mm, x, label=label)
                 if self.keeps[v]:
-                    y, kept = y  # an eval drops the residuals at once
+                    y, kept = y  # an eval, which has no backward, drops them at its next operation
                 if train:  # what the backward reads: the residuals and input, or the input alone
                     stash[m, v] = (kept, x) if self.keeps[v] else x
                 if j == J - 1:

@@ -222,18 +222,27 @@ class Residuals:
     so the forward must be traced first."""
 
     def __init__(self):
-        self.treedef, self.positions = None, None
+        self.treedef, self.positions, self.args = None, None, None
 
     def split(self, vjp, args) -> list:
         leaves, treedef = jax.tree.flatten(vjp)
         where = {id(a): k for k, a in enumerate(jax.tree.leaves(args))}
         self.treedef, self.positions = treedef, [where.get(id(leaf)) for leaf in leaves]
+        self.args = jax.tree.structure(args)
         return [leaf for leaf, k in zip(leaves, self.positions) if k is None]
 
     def join(self, kept: list, args):
         assert self.treedef is not None, "the forward is traced before the backward"
+        assert jax.tree.structure(args) == self.args and len(kept) == self.positions.count(None)
         given, rest = jax.tree.leaves(args), iter(kept)
         return jax.tree.unflatten(self.treedef, [next(rest) if k is None else given[k] for k in self.positions])
+
+
+def _all_but_casts(prim, *_, **__) -> bool:
+    """A remat policy: every value may be saved but a dtype cast's. With bf16 compute over
+    fp32 weights the layers cast each weight: saved, the casts would keep a copy of the
+    stage's weights per micro-batch in flight. The backward casts again instead."""
+    return prim is not jax.lax.convert_element_type_p
 
 
 def stage_forward_keeping(graphdef, params, x, batch, residuals: Residuals, *, first: bool, valid=None,
@@ -241,8 +250,11 @@ def stage_forward_keeping(graphdef, params, x, batch, residuals: Residuals, *, f
     """stage_forward of a stage that is not the last, and the residuals its backward
     reads (stage_backward_kept), so that the backward need not run the forward again:
     ((b, T, D) activation, residuals)."""
-    y, vjp = jax.vjp(lambda p, x: stage_forward(graphdef, p, x, batch, first=first, last=False, valid=valid,
-                                                gather_free=gather_free, unroll=unroll), params, x)
+    def forward(p, x):
+        return stage_forward(graphdef, p, x, batch, first=first, last=False, valid=valid,
+                             gather_free=gather_free, unroll=unroll)
+
+    y, vjp = jax.vjp(jax.checkpoint(forward, policy=_all_but_casts), params, x)
     return y, residuals.split(vjp, (params, x))
 
 
