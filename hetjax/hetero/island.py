@@ -252,7 +252,12 @@ class Island:
     def compile(self, fn, *abstract_args, name: str = "", **jit_kwargs):
         """fn jitted, lowered for abstract arguments and compiled now, before the job's first
         exchange (a peer never waits mid-step on this island's compiler), as program() calls it."""
-        return self.program(jax.jit(fn, **jit_kwargs).lower(*abstract_args).compile(), name or fn.__name__)
+        return self.program(self.compiled(fn, *abstract_args, **jit_kwargs), name or fn.__name__)
+
+    @staticmethod
+    def compiled(fn, *abstract_args, **jit_kwargs) -> jax.stages.Compiled:
+        """compile()'s executable itself, for a caller that needs its output shapes first."""
+        return jax.jit(fn, **jit_kwargs).lower(*abstract_args).compile()
 
     def put(self, value) -> jax.Array:
         return put(value, self.mesh)

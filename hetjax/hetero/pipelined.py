@@ -68,6 +68,9 @@ class PipelineStage:
             def mine(params):
                 return params if V == 1 else chunk_of(params, v, size)
 
+            def accumulate(acc, g):  # with V > 1, into the rows of this chunk's layers only
+                return jax.tree.map(jnp.add, acc, g) if V == 1 else add_chunk(acc, g, v, size)
+
             def fwd(params, batch, m, x):
                 with sharding.logical_rules(mesh, rules):
                     return stage_forward(graphdef, mine(params), x, pick(batch, m), first=first, last=last)
@@ -75,8 +78,7 @@ class PipelineStage:
             def bwd(params, acc, loss, batch, m, x, dy):
                 with sharding.logical_rules(mesh, rules):
                     g, dx, l = stage_backward(graphdef, mine(params), x, pick(batch, m), dy, first=first, last=last)
-                acc = jax.tree.map(jnp.add, acc, g) if V == 1 else add_chunk(acc, g, v, size)
-                return acc, (None if first else dx), loss + l
+                return accumulate(acc, g), (None if first else dx), loss + l
 
             # Every program is compiled here, for abstract inputs: (parameters, batch,
             # micro-batch index, stage input[, its output gradient]).
@@ -97,11 +99,10 @@ class PipelineStage:
             def bwd_kept(params, acc, kept, x, dy):
                 with sharding.logical_rules(mesh, rules):
                     g, dx = stage_backward_kept(mine(params), x, kept, dy, residuals)
-                acc = jax.tree.map(jnp.add, acc, g) if V == 1 else add_chunk(acc, g, v, size)
-                return acc, (None if first else dx)
+                return accumulate(acc, g), (None if first else dx)
 
             # The residuals' shardings are the compiler's choice; the backward takes them so.
-            forward = jax.jit(fwd_keeping, out_shardings=(act, None)).lower(P, B, index, x_like).compile()
+            forward = island.compiled(fwd_keeping, P, B, index, x_like, out_shardings=(act, None))
             kept_like = forward.out_info[1]
             return (island.program(forward, f"fwd{suffix}"),
                     # Only the accumulator is donated: no output has a residual's shape.
