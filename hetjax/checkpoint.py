@@ -109,17 +109,35 @@ def _handlers() -> dict:
             **{k: ocp.JsonCheckpointHandler() for k in ("data", "config")}, "meta": _LaterJsonHandler()}
 
 
+@dataclasses.dataclass
+class KeepFrom(keep_policy.PreservationPolicy):
+    """Preserves every step from `step` on. An islands job raises it to the newest step
+    that every island has committed (hetjax.hetero.checkpoints): an island whose saves
+    run ahead must not delete, by keeping its last N, the one step a lagging peer
+    also holds, or no step would be common and the job could not resume."""
+
+    step: int
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        return [c.step >= self.step for c in checkpoints]
+
+
 class Manager:
     """Saves every `cfg.every` steps (and when told to), keeps the last `cfg.keep`
-    plus every `cfg.keep_every`-th, and restores the latest checkpoint that verifies."""
+    plus every `cfg.keep_every`-th (and, given `keep_from`, every step from that one
+    on: see keep_from()), and restores the latest checkpoint that verifies."""
 
     def __init__(self, directory: str | Path, cfg: CheckpointConfig = CheckpointConfig(),
-                 read_only: bool = False):
+                 read_only: bool = False, keep_from: int | None = None):
         self.directory = Path(directory).absolute()
         self.cfg = cfg
         policies = [keep_policy.LatestN(n=cfg.keep)]
         if cfg.keep_every:
             policies.append(keep_policy.EveryNSteps(cfg.keep_every))
+        # orbax reads it when a save starts, in our orbax thread: keep_from() may raise it any time
+        self._keep_from = None if keep_from is None else KeepFrom(keep_from)
+        if self._keep_from is not None:
+            policies.append(self._keep_from)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=None if read_only else keep_policy.AnyPreservationPolicy(policies),
             enable_async_checkpointing=cfg.async_save,
@@ -147,6 +165,15 @@ class Manager:
         """Committed steps, and the one being saved."""
         steps = set(self._manager.all_steps())
         return sorted(steps | {self._pending} if self._pending is not None else steps)
+
+    def committed(self) -> list[int]:
+        """The steps whose save is committed (renamed into place), not one in flight."""
+        return [s for s in self._manager.all_steps() if (self.directory / str(s)).is_dir()]
+
+    def keep_from(self, step: int) -> None:
+        """Keeps every step from `step` on, from the next save on (it only ever rises)."""
+        assert self._keep_from is not None, "a Manager made without keep_from"
+        self._keep_from.step = max(self._keep_from.step, step)
 
     def should_save(self, step: int) -> bool:
         return self.cfg.every > 0 and step % self.cfg.every == 0 and step not in self.steps()

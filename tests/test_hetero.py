@@ -295,3 +295,36 @@ def test_virtual_islands_save_asynchronously_and_resume(tmp_path):
     assert sorted({r["step"] for r in rows if "loss" in r}) == list(range(8))
     for name in ("cuda", "rocm"):
         assert checkpoint.Manager(run_dir / "checkpoints" / name).steps() == [4, 6, 8]
+
+
+def test_an_island_ahead_never_deletes_the_last_step_a_lagging_island_holds(tmp_path):
+    """Islands save at their own pace. When one island's saves lag (a slow disk: its saves
+    are held back here, then let through), the other's keep-the-last-N must not delete
+    every step the lagging one has: a job resumes all islands at one common step."""
+    from hetjax import data
+    cfg = load(str(write_config(tmp_path, "islands", DATA_CASES["even"][0])),
+               {"steps": "100", "run_dir": str(tmp_path / "run"), "checkpoint.keep": "1",
+                "checkpoint.async_save": "False"})
+    job = job_lib.IslandsJob(cfg, data.build(cfg), log=lambda line: None)
+    ahead, lagging = (w.manager for w in job.workers)
+    held_back, save = [], lagging.save
+    lagging.save = lambda *args: held_back.append(args)
+    try:
+        def checkpoint_at(step):
+            job.checkpoints.save(step, job.state, job.batches.get_state(), {})
+
+        for step in (2, 4, 6, 8):
+            checkpoint_at(step)
+        assert lagging.steps() == [] and ahead.steps() == [2, 4, 6, 8]  # keep=1 would leave [8]
+        save(*held_back.pop(0))  # the lagging island's step 2 lands
+        assert job.checkpoints.steps() == [2]  # a step to resume from
+
+        for args in held_back:
+            save(*args)
+        lagging.save = save
+        for step in (10, 12):  # both hold 2..8: the exchange at 10 lets the next save delete 2..6
+            checkpoint_at(step)
+        assert ahead.steps() == lagging.steps() == [8, 10, 12]
+    finally:
+        job.checkpoints.close()
+        job.close()

@@ -49,8 +49,13 @@ def losses(run_dir):
 
 def test_two_islands_of_two_processes_give_the_single_island_pipelines_losses(tmp_path):
     path = write_config(tmp_path, processes=2)  # 2 islands x 2 processes x 2 CPU devices
-    code = local.run(path, {"run_dir": str(tmp_path / "islands")}, stand_in="cpu", backend="host")
+    # Saves mid-run too: each island's processes agree on its committed steps (a collective
+    # among them) before the islands exchange them (Checkpoints.save).
+    code = local.run(path, {"run_dir": str(tmp_path / "islands"), "checkpoint.every": "4"},
+                     stand_in="cpu", backend="host")
     assert code == 0, (tmp_path / "islands" / "logs" / "cuda-0.log").read_text()[-3000:]
+    for name in ("cuda", "rocm"):
+        assert checkpoint.Manager(tmp_path / "islands" / "checkpoints" / name, read_only=True).steps() == [4, 8, 10]
     # The same model on one island: this process's 8 devices, the SPMD pipeline over 2 stages.
     assert train.main(["--config", path, "--config.hetero.islands=()", "--config.mesh.pipeline=2",
                        "--config.mesh.fsdp=4", f"--config.run_dir={tmp_path / 'one'}"]) == 0

@@ -26,24 +26,66 @@ from hetjax.hetero.placement import island_layers
 from hetjax.pipeline.stages import permute_layers
 
 
+def manager(cfg, name: str) -> checkpoint.Manager:
+    """Island `name`'s manager: it keeps its last config.checkpoint.keep steps, and also
+    every step from the newest one all islands hold (Checkpoints.save raises that)."""
+    return checkpoint.Manager(checkpoint.default_dir(cfg) / name, cfg.checkpoint, keep_from=0)
+
+
 class Checkpoints:
     """One orbax manager per island (run_dir/checkpoints/<island>). A step counts only
-    when every island has it: restore picks the newest step all islands can read."""
+    when every island has it: restore picks the newest step all islands can read.
+
+    Islands save asynchronously, each at its own pace, so one island's last `keep`
+    steps can all be newer than everything a lagging peer has committed. So with each
+    save the islands exchange the steps they have committed, and none deletes the newest
+    step that all of them hold, nor any newer one: an island keeps more than `keep`
+    checkpoints while a peer's saves lag, and never loses the step to resume from."""
 
     def __init__(self, job):
         self.job = job
         self.directory = checkpoint.default_dir(job.cfg)
+        self._agreed = None  # the exchange of committed steps started at the last save
 
     def should_save(self, step: int) -> bool:
         return self.job.workers[0].manager.should_save(step)
 
     def save(self, step: int, states, data_state: dict, config: dict) -> None:
         self.job.read_identical()  # never a checkpoint of islands that have drifted apart
+        self._protect()  # before the saves: orbax picks the steps to delete as a save starts
+        self._agreed = self.job.start_agree_steps(self._committed(), False, f"checkpoint/committed{step}")
+        if step >= self.job.cfg.steps or self.job.stop_requested:  # no later save reads it
+            self._protect()
         # One island after the other: orbax numbers a process's save operations in one
         # global counter, and two saves started at once from two threads (virtual
         # islands) mix up each other's temporary directories. The saves stay asynchronous.
         for w, state in zip(self.job.workers, states):
             w.manager.save(step, state, data_state, config)
+
+    def _committed(self) -> list[int]:
+        """The steps every local island has committed, as every process of the island sees
+        them: processes look at the disk at different moments, and each island must tell
+        its peers one answer."""
+        steps = sorted(set.intersection(*(set(w.manager.committed()) for w in self.job.workers)))
+        if jax.process_count() == 1:
+            return steps
+        from jax.experimental import multihost_utils
+        width = 64
+        mine = np.full(width, -1, np.int32)
+        mine[:min(width, len(steps))] = steps[-width:]
+        seen = np.asarray(multihost_utils.process_allgather(mine))
+        return sorted(set.intersection(*({int(s) for s in row if s >= 0} for row in seen)))
+
+    def _protect(self) -> None:
+        """Reads the last exchange of committed steps: every island keeps the newest step
+        that all of them hold, and the steps after it."""
+        if self._agreed is None:
+            return
+        common, _ = self._agreed()
+        self._agreed = None
+        if common:
+            for w in self.job.workers:
+                w.manager.keep_from(common[-1])
 
     def wait(self) -> None:
         for w in self.job.workers:
@@ -83,6 +125,8 @@ class Checkpoints:
                 log(f"warning: {e}")
                 ok = 0
             if job.all_ok(ok, f"restore{step}"):
+                for w in job.workers:  # every island holds it
+                    w.manager.keep_from(step)
                 return checkpoint.Restored(step, [r.state for r in restored], restored[0].data_state,
                                            restored[0].meta)
             for w in job.workers:  # someone could not read it: set it aside everywhere

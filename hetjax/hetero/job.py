@@ -31,7 +31,7 @@ from hetjax import state as state_lib
 from hetjax.compile import backend
 from hetjax.errors import ConfigError, IslandLost
 from hetjax.hetero import island as island_lib
-from hetjax.hetero.checkpoints import Checkpoints, check_saved_placement
+from hetjax.hetero.checkpoints import Checkpoints, check_saved_placement, manager as island_manager
 from hetjax.hetero import placement
 from hetjax.hetero import runtime
 from hetjax.hetero import scheduler
@@ -134,7 +134,7 @@ class Worker:
         stage = PipelineStage if cfg.hetero.placement == "pipeline" else DataShare
         self.stage = stage(self.island, self.links)
         self.dataset, self.rows = dataset, self.island.rows
-        self.manager = checkpoint.Manager(checkpoint.default_dir(cfg) / self.name, cfg.checkpoint)
+        self.manager = island_manager(cfg, self.name)
         self.timeline = self.island.timeline
         links.observe(self.timeline)
         self.seconds: dict[str, float] = {}  # the last step's breakdown (hetjax.hetero.timeline)
@@ -285,15 +285,24 @@ class IslandsJob:
 
     def agree_steps(self, steps: list[int], holds_any: bool) -> tuple[list[int], bool]:
         """(the checkpoint steps that every island holds, whether any island holds one)."""
-        width = 64
+        return self.start_agree_steps(steps, holds_any, "checkpoint/steps")()
+
+    def start_agree_steps(self, steps: list[int], holds_any: bool, what: str):
+        """agree_steps, started now; returns the wait for its answer (see Links.start_gather:
+        read later, it never waits for a peer's next step)."""
+        width = 64  # the newest 64: an older step left out is only never agreed on
         mine = np.full(width + 1, -1, np.int32)
         mine[:min(width, len(steps))] = steps[-width:]
         mine[width] = int(holds_any)
-        got = self._each(lambda w: w.links.gather(mine, "checkpoint/steps", w.island.mesh))[0]
-        common = set(steps)
-        for row in got:
-            common &= {int(s) for s in row[:width] if s >= 0}
-        return sorted(common), bool(got[:, width].max())
+        ends = self._each(lambda w: w.links.start_gather(mine, what, w.island.mesh))
+
+        def answer() -> tuple[list[int], bool]:
+            got = self._each(lambda w, end: end(), ends)[0]
+            common = set(steps)
+            for row in got:
+                common &= {int(s) for s in row[:width] if s >= 0}
+            return sorted(common), bool(got[:, width].max())
+        return answer
 
     def all_ok(self, ok: int, what: str) -> bool:
         flags = self._each(lambda w: w.links.gather(np.asarray([ok], np.int32), what, w.island.mesh))
