@@ -134,7 +134,8 @@ class Manager:
         policies = [keep_policy.LatestN(n=cfg.keep)]
         if cfg.keep_every:
             policies.append(keep_policy.EveryNSteps(cfg.keep_every))
-        # orbax reads it when a save starts, in our orbax thread: keep_from() may raise it any time
+        # orbax reads it in our orbax thread, as it takes a save over (once the previous one
+        # finished): keep_from() may raise it any time, and a raised value is a safe one
         self._keep_from = None if keep_from is None else KeepFrom(keep_from)
         if self._keep_from is not None:
             policies.append(self._keep_from)
@@ -171,7 +172,8 @@ class Manager:
         return [s for s in self._manager.all_steps() if (self.directory / str(s)).is_dir()]
 
     def keep_from(self, step: int) -> None:
-        """Keeps every step from `step` on, from the next save on (it only ever rises)."""
+        """Keeps every step from `step` on (it only ever rises), from every save whose old
+        steps orbax has not picked for deletion yet: saves already handed over included."""
         assert self._keep_from is not None, "a Manager made without keep_from"
         self._keep_from.step = max(self._keep_from.step, step)
 

@@ -316,15 +316,18 @@ def test_an_island_ahead_never_deletes_the_last_step_a_lagging_island_holds(tmp_
         for step in (2, 4, 6, 8):
             checkpoint_at(step)
         assert lagging.steps() == [] and ahead.steps() == [2, 4, 6, 8]  # keep=1 would leave [8]
-        save(*held_back.pop(0))  # the lagging island's step 2 lands
-        assert job.checkpoints.steps() == [2]  # a step to resume from
+        save(*held_back.pop(0))  # the lagging island's step 2 lands; its later saves still lag
+        assert job.checkpoints.steps() == [2]
+        for step in (10, 12):  # the exchanges now agree on step 2, and only on it
+            checkpoint_at(step)
+        assert ahead.steps() == [2, 4, 6, 8, 10, 12] and job.checkpoints.steps() == [2]
 
-        for args in held_back:
+        for args in held_back:  # the lagging island catches up
             save(*args)
         lagging.save = save
-        for step in (10, 12):  # both hold 2..8: the exchange at 10 lets the next save delete 2..6
+        for step in (14, 16):  # both hold 2..12: the exchange at 14 lets 16 delete below 12
             checkpoint_at(step)
-        assert ahead.steps() == lagging.steps() == [8, 10, 12]
+        assert ahead.steps() == lagging.steps() == [12, 14, 16]
     finally:
         job.checkpoints.close()
         job.close()

@@ -39,8 +39,11 @@ class Checkpoints:
     Islands save asynchronously, each at its own pace, so one island's last `keep`
     steps can all be newer than everything a lagging peer has committed. So with each
     save the islands exchange the steps they have committed, and none deletes the newest
-    step that all of them hold, nor any newer one: an island keeps more than `keep`
-    checkpoints while a peer's saves lag, and never loses the step to resume from."""
+    step that all of them hold, nor any newer one: an island never loses the step to
+    resume from. The exchange started at one save is read at the next (read at once it
+    could wait a whole step for a peer), and what it reports was committed before the
+    save that sent it, so the step kept trails by two saves: an island keeps at least its
+    last three checkpoints whatever `keep` says, and more while a peer's saves lag."""
 
     def __init__(self, job):
         self.job = job
