@@ -302,9 +302,8 @@ def test_an_island_ahead_never_deletes_the_last_step_a_lagging_island_holds(tmp_
     are held back here, then let through), the other's keep-the-last-N must not delete
     every step the lagging one has: a job resumes all islands at one common step."""
     from hetjax import data
-    cfg = load(str(write_config(tmp_path, "islands", DATA_CASES["even"][0])),
-               {"steps": "100", "run_dir": str(tmp_path / "run"), "checkpoint.keep": "1",
-                "checkpoint.async_save": "False"})
+    cfg = load("tiny_hetero.py", {"steps": "100", "run_dir": str(tmp_path / "run"), "checkpoint.keep": "1",
+                                  "checkpoint.async_save": "False"})
     job = job_lib.IslandsJob(cfg, data.build(cfg), log=lambda line: None)
     ahead, lagging = (w.manager for w in job.workers)
     held_back, save = [], lagging.save
