@@ -55,7 +55,7 @@ class Checkpoints:
 
     def save(self, step: int, states, data_state: dict, config: dict) -> None:
         self.job.read_identical()  # never a checkpoint of islands that have drifted apart
-        self._protect()  # before the saves: orbax picks the steps to delete as a save starts
+        self._protect()  # before the saves: orbax picks the steps to delete as it takes each one over
         self._agreed = self.job.start_agree_steps(self._committed(), False, f"checkpoint/committed{step}")
         if step >= self.job.cfg.steps or self.job.stop_requested:  # no later save reads it
             self._protect()
