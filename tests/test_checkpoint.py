@@ -194,12 +194,13 @@ def test_fingerprint_sees_one_flipped_bit_and_ignores_layout():
 
 
 def damage_params(step_dir: Path, damage: str) -> None:
-    """Truncates or zeroes 16 bytes in the middle of the largest parameter file."""
+    """Truncates (to half, or to a twentieth: "truncate-most") or zeroes 16 bytes in the
+    middle of the largest parameter file."""
     files = sorted((p for p in (step_dir / "params").rglob("*") if p.is_file() and p.stat().st_size > 64),
                    key=lambda p: -p.stat().st_size)
     victim = files[0]
-    if damage == "truncate":
-        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    if damage.startswith("truncate"):
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // (20 if damage == "truncate-most" else 2)])
     else:
         raw = bytearray(victim.read_bytes())
         raw[len(raw) // 2: len(raw) // 2 + 16] = bytes(16)
@@ -233,7 +234,9 @@ def abandoned_tasks() -> int:
 def test_a_damaged_checkpoint_leaves_no_abandoned_reads_behind(tmp_path, saved, monkeypatch):
     """orbax abandons its other reads when one fails: each used to raise the damage again
     when collected, later, in whichever code ran then (~100 tracebacks a restore, about
-    one restore in three). Restores until two did abandon reads, so that it is tested."""
+    one restore in three). Restores until two did abandon reads, so that it is tested. Most
+    of the file is cut off: more reads fail while others are in flight (with half cut off,
+    a CI run under load once saw no abandoned read in 30 restores)."""
     abstract, shardings = abstract_for(MeshConfig(fsdp=8), 8)
     close, seen = orbax_noise.close_abandoned_tasks, []
 
@@ -246,7 +249,7 @@ def test_a_damaged_checkpoint_leaves_no_abandoned_reads_behind(tmp_path, saved, 
     try:
         for i in range(30):
             shutil.copytree(saved[0], tmp_path / f"ck{i}")
-            damage_params(tmp_path / f"ck{i}" / "4", "truncate")
+            damage_params(tmp_path / f"ck{i}" / "4", "truncate-most")
             manager = checkpoint.Manager(tmp_path / f"ck{i}", read_only=True)
             try:
                 assert manager.restore_latest(abstract, shardings, log=lambda _: None).step == 2
