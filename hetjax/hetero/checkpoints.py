@@ -26,6 +26,24 @@ from hetjax.hetero.placement import island_layers
 from hetjax.pipeline.stages import permute_layers
 
 
+STEPS_SENT = 64  # the newest steps a process or island tells its peers: an older step left out is only never agreed on
+
+
+def steps_row(steps: list[int], width: int = STEPS_SENT) -> np.ndarray:
+    """The newest `width` of `steps` as a fixed-size int32 row, padded with -1 (to exchange)."""
+    row = np.full(width, -1, np.int32)
+    row[:min(width, len(steps))] = steps[-width:]
+    return row
+
+
+def held_by_all(steps: list[int], rows) -> list[int]:
+    """The steps of `steps` that every exchanged row (steps_row) holds too."""
+    common = set(steps)
+    for row in rows:
+        common &= {int(s) for s in row if s >= 0}
+    return sorted(common)
+
+
 def manager(cfg, name: str) -> checkpoint.Manager:
     """Island `name`'s manager: it keeps its last config.checkpoint.keep steps, and also
     every step from the newest one all islands hold (Checkpoints.save raises that)."""
@@ -73,11 +91,7 @@ class Checkpoints:
         if jax.process_count() == 1:
             return steps
         from jax.experimental import multihost_utils
-        width = 64
-        mine = np.full(width, -1, np.int32)
-        mine[:min(width, len(steps))] = steps[-width:]
-        seen = np.asarray(multihost_utils.process_allgather(mine))
-        return sorted(set.intersection(*({int(s) for s in row if s >= 0} for row in seen)))
+        return held_by_all(steps, np.asarray(multihost_utils.process_allgather(steps_row(steps))))
 
     def _protect(self) -> None:
         """Reads the last exchange of committed steps: every island keeps the newest step

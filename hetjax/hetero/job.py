@@ -31,7 +31,8 @@ from hetjax import state as state_lib
 from hetjax.compile import backend
 from hetjax.errors import ConfigError, IslandLost
 from hetjax.hetero import island as island_lib
-from hetjax.hetero.checkpoints import Checkpoints, check_saved_placement, manager as island_manager
+from hetjax.hetero.checkpoints import Checkpoints, check_saved_placement, held_by_all, steps_row
+from hetjax.hetero.checkpoints import manager as island_manager
 from hetjax.hetero import placement
 from hetjax.hetero import runtime
 from hetjax.hetero import scheduler
@@ -290,18 +291,12 @@ class IslandsJob:
     def start_agree_steps(self, steps: list[int], holds_any: bool, what: str):
         """agree_steps, started now; returns the wait for its answer (see Links.start_gather:
         read later, it never waits for a peer's next step)."""
-        width = 64  # the newest 64: an older step left out is only never agreed on
-        mine = np.full(width + 1, -1, np.int32)
-        mine[:min(width, len(steps))] = steps[-width:]
-        mine[width] = int(holds_any)
+        mine = np.append(steps_row(steps), np.int32(holds_any))  # the last entry: holds any
         ends = self._each(lambda w: w.links.start_gather(mine, what, w.island.mesh))
 
         def answer() -> tuple[list[int], bool]:
             got = self._each(lambda w, end: end(), ends)[0]
-            common = set(steps)
-            for row in got:
-                common &= {int(s) for s in row[:width] if s >= 0}
-            return sorted(common), bool(got[:, width].max())
+            return held_by_all(steps, got[:, :-1]), bool(got[:, -1].max())
         return answer
 
     def all_ok(self, ok: int, what: str) -> bool:
