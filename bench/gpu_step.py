@@ -1,6 +1,7 @@
 """Step time, tokens/s and MFU of a one-GPU Llama, against the device's own matmul rate.
 
     python -m bench.gpu_step [--remat dots] [--batch 8] [--seq 4096] [--steps 10]
+                             [--attention cudnn|xla] [--profile DIR]
     python -m bench.gpu_step --tiny          # a CPU-sized model, to check the path end to end
 
 The model is Llama-3.2-1B's shape (16 layers, embed 2048, mlp 8192, 32 heads,
@@ -55,6 +56,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seq", type=int, help="sequence length (default 4096; tiny 128)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--attention", choices=("auto", "xla", "cudnn"),
+                   help="attention implementation (default cudnn on CUDA, else auto)")
+    p.add_argument("--profile", metavar="DIR", help="trace two more steps into DIR and print where "
+                   "the device's time went (kernels by kind, the top ones)")
     args = p.parse_args(argv)
 
     from hetjax import config as config_lib
@@ -63,7 +68,7 @@ def main(argv: list[str]) -> int:
     cfg = config_lib.load("tiny")
     platform, _ = backend.detect()
     model = dict(MODEL_TINY if args.tiny else MODEL_1B, remat=args.remat,
-                 attention_impl="cudnn" if platform == "cuda" and not args.tiny else "auto")
+                 attention_impl=args.attention or ("cudnn" if platform == "cuda" and not args.tiny else "auto"))
     cfg = dataclasses.replace(
         cfg, name="llama1b" if not args.tiny else "tiny-bench",
         model=dataclasses.replace(cfg.model, **model),
@@ -101,6 +106,15 @@ def main(argv: list[str]) -> int:
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
     step_time = statistics.median(times)
+    if args.profile:
+        from hetjax import profiler
+        jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
+        for s in range(2):
+            with jax.profiler.StepTraceAnnotation("train", step_num=s):
+                state, m = train_step(state, batches[s % len(batches)])
+        jax.block_until_ready(m)
+        jax.profiler.stop_trace()
+        print("\n".join(profiler.kernel_summary(args.profile) or ["(no device kernels in the trace)"]))
     model_rate = flops_per_step / step_time / mesh.size  # per device
     n, dtype = (1024, jnp.float32) if args.tiny or device.platform == "cpu" else (8192, jnp.bfloat16)
     base = matmul_rate(n, dtype)

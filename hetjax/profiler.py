@@ -11,7 +11,12 @@ StepTraceAnnotation named "train", which the profile plugin's step view reads.""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import gzip
+import json
+import math
+import re
 from pathlib import Path
 
 import jax
@@ -61,3 +66,54 @@ class Profiler:
             jax.profiler.stop_trace()
             self.active = False
             self.log(f"profile of steps {self.window[0]}..{self.window[1] - 1} in {self.directory}")
+
+
+# Kernel names by what they do, as CUDA's and ROCm's libraries and XLA name them.
+KERNEL_KINDS = (
+    ("attention", re.compile(r"fmha|flash|attention|sdpa|cudnn_?gen", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|wgmma|hipblaslt|dot", re.I)),
+    ("collective", re.compile(r"nccl|rccl|all-?reduce|all-?gather|reduce-?scatter|collective", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """'attention', 'matmul', 'collective', 'copy' or 'other' (fusions, mostly elementwise)."""
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
+def kernel_summary(trace_dir: str | Path, top: int = 12) -> list[str]:
+    """Lines describing the device time in the newest perfetto trace under `trace_dir`:
+    busy time per device (the union of its kernels' intervals) against the traced span,
+    the time per kind of kernel, and the `top` kernels by total time. [] without one."""
+    files = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        return []
+    events = json.loads(gzip.open(files[-1]).read())["traceEvents"]
+    devices = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name" and
+               str(e.get("args", {}).get("name", "")).startswith("/device:")}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in devices and e.get("dur")]
+    if not kernels:
+        return []
+    lines = []
+    for pid, name in sorted(devices.items()):
+        mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels if e["pid"] == pid)
+        if not mine:
+            continue
+        busy, end = 0.0, -math.inf
+        for a, b in mine:  # streams overlap: count each instant once
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        span = end - mine[0][0]
+        lines.append(f"{name}: kernels busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms traced "
+                     f"({busy / span:.1%}), {len(mine)} kernels")
+    total = sum(e["dur"] for e in kernels)
+    kinds, names = collections.Counter(), collections.Counter()
+    for e in kernels:
+        kinds[kernel_kind(e["name"])] += e["dur"]
+        names[e["name"]] += e["dur"]
+    lines.append("kernel time by kind: " + ", ".join(f"{k} {t / total:.1%}" for k, t in kinds.most_common()))
+    for n, t in names.most_common(top):
+        lines.append(f"  {t / 1e3:9.2f} ms  {t / total:6.1%}  [{kernel_kind(n)}] {n[:110]}")
+    return lines

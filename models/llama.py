@@ -139,6 +139,20 @@ def rope_inv_freq(
     return jnp.where(medium, smoothed, scaled)
 
 
+def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """Segment ids of packed rows (each document a contiguous run) -> cuDNN's packed
+    layout: (lengths (B, M), starts (B, M + 1)), both padded with -1 past a row's last
+    document. A row of more than `max_segments` documents is the caller's to rule out:
+    its extra documents would be merged into the last one."""
+    B, T = segment_ids.shape
+    is_start = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    starts = jax.vmap(lambda r: jnp.nonzero(r, size=max_segments, fill_value=-1)[0])(is_start)
+    starts = jnp.pad(starts.astype(jnp.int32), ((0, 0), (0, 1)), constant_values=-1)  # (B, M + 1)
+    following = jnp.where(starts[:, 1:] >= 0, starts[:, 1:], T)
+    lengths = jnp.where(starts[:, :-1] >= 0, following - starts[:, :-1], -1)  # (B, M)
+    return lengths, starts
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotates (B, T, N, H) by positions (B, T); halves convention, as in HF Llama."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # (B, T, H/2)
