@@ -4,18 +4,18 @@
 #
 #   bash bench/gpu_checks.sh [OUT_DIR] [SECONDS]
 #
-# Each check runs under its own time limit, cut to what is left of SECONDS (default 470),
+# Each check runs under its own time limit, cut to what is left of SECONDS (default 420),
 # so the run ends on time with a summary. Every check's whole output is kept in
 # OUT_DIR/logs.tgz; this script prints each one's tail.
 set -u
 out=${1:-runs/gpu_checks}
-budget=${2:-470}
+budget=${2:-420}
 mkdir -p "$out"
 work=$(mktemp -d)
 deadline=$(( $(date +%s) + budget - 15 ))
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export HETJAX_TRANSFER_SECRET=gpu-checks
+export HETJAX_TRANSFER_SECRET=${HETJAX_TRANSFER_SECRET:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
 
 # check NAME LIMIT_S LINES COMMAND...: runs COMMAND into $work/NAME.log, prints its last LINES lines.
 check() {
@@ -62,8 +62,10 @@ echo "=== machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import jax, flax, optax, orbax.checkpoint as o, grain; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__, 'grain', grain.__version__, jax.devices())"
 
-# 1. MFU of a Llama-3.2-1B-shaped model, with a profile of two steps; attention alone.
-check gpu_step 200 30 python -m bench.gpu_step --steps 6 --warmup 2 --profile "$work/profile"
+# 1. MFU of a Llama-3.2-1B-shaped model: cuDNN with the documents' mask as a bias, then
+#    the packed layout with a profile of two steps; attention alone.
+check gpu_step_mask 150 4 python -m bench.gpu_step --steps 6 --warmup 2 --attention cudnn_mask
+check gpu_step 150 30 python -m bench.gpu_step --steps 6 --warmup 2 --profile "$work/profile"
 check attention 90 8 python -m bench.attention
 
 # 2, 6. cuDNN against XLA attention over packed documents; the profiles' determinism.

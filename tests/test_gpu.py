@@ -29,7 +29,7 @@ def _gpu_env(**extra) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     # No preallocation: these children are small and may run beside other GPU programs.
     return {**env, "JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-            "PYTHONPATH": str(ROOT), **extra}
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])), **extra}
 
 
 def _has_gpu() -> bool:

@@ -336,3 +336,20 @@ def test_remat_policies_match(name):
         np.testing.assert_allclose(logits, logits0, atol=1e-6, rtol=1e-6, err_msg=policy)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6,
                                                              err_msg=policy), grads, grads0)
+
+
+def test_packed_segments_gives_each_rows_document_starts_and_lengths():
+    from hetjax.models.llama import packed_segments
+    rng = np.random.default_rng(0)
+    seg = np.cumsum(rng.random((4, 40)) < 0.2, axis=1) + 3  # runs of random lengths
+    seg[1] = 7  # a row of one document
+    lengths, starts = packed_segments(jnp.asarray(seg), 40)
+    for row, ls, ss in zip(seg, np.asarray(lengths), np.asarray(starts)):
+        want_starts = [0] + [t for t in range(1, 40) if row[t] != row[t - 1]]
+        want_lengths = np.diff(want_starts + [40]).tolist()
+        n = len(want_starts)
+        assert ss.tolist() == want_starts + [-1] * (41 - n)
+        assert ls.tolist() == want_lengths + [-1] * (40 - n)
+    # Room for fewer documents than a row holds: the rest merge into the last one.
+    lengths, starts = packed_segments(jnp.asarray([[1, 1, 2, 3, 3, 4]]), 2)
+    assert starts.tolist() == [[0, 2, -1]] and lengths.tolist() == [[2, 4]]

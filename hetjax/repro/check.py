@@ -116,6 +116,13 @@ def cpu_env(devices: int | None, environ=None) -> dict:
     return env
 
 
+def python_path(environ=None) -> str:
+    """PYTHONPATH for a child: this checkout first, then whatever the caller's had (packages
+    installed with --target, say)."""
+    environ = os.environ if environ is None else environ
+    return os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH", "")]))
+
+
 def run(lay: Layout, config: str, overrides: dict, run_dir: Path, platform: str, timeout: float,
         env: dict | None = None) -> int:
     """Trains one layout in a fresh process (with `env` added to the environment); its
@@ -124,7 +131,7 @@ def run(lay: Layout, config: str, overrides: dict, run_dir: Path, platform: str,
             *[f"--config.{k}={v}" for k, v in {**overrides, **lay.overrides}.items()],
             f"--config.run_dir={run_dir}", "--config.compile.deterministic=true"]
     env = {**(cpu_env(lay.devices) if platform == "cpu" else dict(os.environ)), **(env or {})}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = python_path(env)
     run_dir.mkdir(parents=True, exist_ok=True)  # an existing run resumes (and appends to its log)
     with open(run_dir / "train.log", "a") as log:
         log.write(" ".join(args) + "\n")

@@ -72,7 +72,7 @@ def compare_platforms(config: str, overrides: dict, out: str | Path, platforms=(
     echo(f"saving the initial weights (CPU) in {init}", flush=True)
     proc = subprocess.run([sys.executable, "-m", "hetjax.repro", "init", "--config", config, "--out", str(init),
                            *[f"--config.{k}={v}" for k, v in overrides.items()]],
-                          env={**check_lib.cpu_env(1), **env, "PYTHONPATH": str(check_lib.ROOT)},
+                          env={**check_lib.cpu_env(1), **env, "PYTHONPATH": check_lib.python_path()},
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
         raise RuntimeError(f"saving the initial weights failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
