@@ -1,7 +1,7 @@
 """Step time, tokens/s and MFU of a one-GPU Llama, against the device's own matmul rate.
 
     python -m bench.gpu_step [--remat dots] [--batch 8] [--seq 4096] [--steps 10]
-                             [--attention cudnn|cudnn_mask|xla] [--profile DIR]
+                             [--attention cudnn|xla] [--profile DIR]
     python -m bench.gpu_step --tiny          # a CPU-sized model, to check the path end to end
 
 The model is Llama-3.2-1B's shape (16 layers, embed 2048, mlp 8192, 32 heads,
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seq", type=int, help="sequence length (default 4096; tiny 128)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--attention", choices=("auto", "xla", "cudnn", "cudnn_mask"),
+    p.add_argument("--attention", choices=("auto", "xla", "cudnn"),
                    help="attention implementation (default cudnn on CUDA, else auto)")
     p.add_argument("--profile", metavar="DIR", help="trace two more steps into DIR and print where "
                    "the device's time went (kernels by kind, the top ones)")

@@ -31,10 +31,7 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
-# auto and xla: jax.nn.dot_product_attention's choice and its XLA path; cudnn: cuDNN's packed
-# layout (cudnn_packed_attention); cudnn_mask: jax.nn's cuDNN call with the documents' mask as
-# a bias, for a cuDNN without the packed layout (before 9.5) and to measure against.
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "cudnn_mask")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +56,7 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype: float32 or bfloat16
     param_dtype: str = "float32"  # master weights stay fp32
     remat: str = "none"  # per-layer policy: none | full | dots | dots_no_batch
-    attention_impl: str = "auto"  # auto | xla | cudnn | cudnn_mask (ATTENTION_IMPLEMENTATIONS)
+    attention_impl: str = "auto"  # jax.nn.dot_product_attention: auto | xla | cudnn
 
     def dims(self) -> dict[str, tuple[str, int]]:
         """Logical axis -> (config field, size), for divisibility checks."""
@@ -156,17 +153,18 @@ def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Arra
     return lengths, starts
 
 
-def cudnn_packed_attention(q, k, v, segment_ids):
+def cudnn_packed_attention(q, k, v, segment_ids, max_documents: int):
     """Causal attention within each document of packed rows, by cuDNN's packed layout:
     (B, T, N, H) queries, (B, T, K, H) keys and values -> (B, T, N, H).
 
-    jax.nn.dot_product_attention(implementation="cudnn") with a (B, 1, T, T) mask turns
-    the mask into an additive bias that both passes read; given each row's document
-    starts and lengths instead, cuDNN skips the other documents' blocks: 3.2x faster on
-    an H200 at Llama-3.2-1B's shape (README, "On a GPU"). Any number of documents per
-    row up to T, so no packing is ever cut short."""
+    jax.nn.dot_product_attention(implementation="cudnn") turns a (B, 1, T, T) mask into an
+    additive bias that both passes read; given each row's document starts and lengths
+    instead, cuDNN skips the other documents' blocks (bench.attention: 3x faster at
+    Llama-3.2-1B's shape on an H200). cuDNN's workspace grows with `max_documents` (room
+    for T documents asked 2 TiB), and a row with more documents than that would be
+    attended wrongly, so the model uses it only once the data bounds documents per row."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
-    lengths, starts = packed_segments(segment_ids, segment_ids.shape[1])
+    lengths, starts = packed_segments(segment_ids, max_documents)
     return dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts,
                                  kv_offsets=starts, scale=q.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL)
 
@@ -219,8 +217,7 @@ class Attention(nnx.Module):
             self.k_bias_KH = _param(rngs, (K, H), ("kv_heads", "head_dim"), param_dtype, init=_zeros)
             self.v_bias_KH = _param(rngs, (K, H), ("kv_heads", "head_dim"), param_dtype, init=_zeros)
         self.qkv_bias = qkv_bias
-        self.implementation = None if implementation == "auto" else implementation.removesuffix("_mask")
-        self.packed = implementation == "cudnn"
+        self.implementation = None if implementation == "auto" else implementation
         self.dtype = dtype
 
     def __call__(self, x, positions, segment_ids, inv_freq):
@@ -236,13 +233,12 @@ class Attention(nnx.Module):
         k = constrain(apply_rope(k, positions, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         # Packed documents: a token sees only earlier tokens of its own segment.
-        if self.packed:
-            out = cudnn_packed_attention(q, k, v, segment_ids)  # (B, T, N, H)
-        else:
-            same_segment = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # (B, 1, T, T)
-            out = jax.nn.dot_product_attention(
-                q, k, v, mask=same_segment, is_causal=True, implementation=self.implementation
-            )  # (B, T, N, H)
+        # cuDNN turns this mask into an additive bias; its packed layout (cudnn_packed_attention)
+        # is 3x faster but needs a bound on documents per row that the data does not give yet.
+        same_segment = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # (B, 1, T, T)
+        out = jax.nn.dot_product_attention(
+            q, k, v, mask=same_segment, is_causal=True, implementation=self.implementation
+        )  # (B, T, N, H)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
         return jnp.einsum("BTNH,NHD->BTD", out, self.o_NHD[...].astype(dt))
 
