@@ -22,7 +22,6 @@ runs the xla variant alone on CPU at --tiny size, to check the path.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -57,7 +56,8 @@ def variants(bounds):
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from hetjax import cli
+    p = cli.ArgumentParser(description=__doc__.split("\n")[0], example="python -m bench.attention --tiny")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
