@@ -217,3 +217,25 @@ def test_a_changed_learning_rate_or_data_seed_is_caught(tmp_path, small, capsys)
     assert r.void and "data differ" in r.void and r.first_data_diff == first_data
     assert repro_main(["compare", str(base), str(seed)]) == compare.VOID
     assert f"FIRST DIFFERS AT STEP {first_data}" in capsys.readouterr().out
+
+
+def test_platforms_trains_from_one_saved_start_and_its_children_keep_the_callers_pythonpath(
+        tmp_path, monkeypatch, capsys):
+    # Packages installed beside the checkout (pip --target, as on a GPU machine with no
+    # index) reach each child only through PYTHONPATH: a sitecustomize there marks each start.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, pathlib\n"
+        f"pathlib.Path({str(tmp_path / 'marks')!r}, str(os.getpid())).touch()\n")
+    (tmp_path / "marks").mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    assert check.python_path().split(os.pathsep) == [str(check.ROOT), str(site)]
+    # Two CPU runs stand in for CPU and a GPU: the same platform twice must be bit-identical.
+    code = repro_main(["platforms", "--config", "tiny", "--platforms", "cpu,cpu", "--steps", "3",
+                       "--fingerprint-every", "1", "--out", str(tmp_path / "out"),
+                       "--config.eval_every=0", "--config.tensorboard=false"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "parameters at step 0: identical" in out and "BIT-IDENTICAL" in out, out
+    assert len(list((tmp_path / "marks").iterdir())) == 3, out  # init and both runs
