@@ -1,7 +1,7 @@
 """Step time, tokens/s and MFU of a one-GPU Llama, against the device's own matmul rate.
 
     python -m bench.gpu_step [--remat dots] [--batch 8] [--seq 4096] [--steps 10]
-                             [--attention cudnn|xla] [--profile DIR]
+                             [--attention auto|xla|cudnn] [--profile DIR]
     python -m bench.gpu_step --tiny          # a CPU-sized model, to check the path end to end
 
 The model is Llama-3.2-1B's shape (16 layers, embed 2048, mlp 8192, 32 heads,

@@ -5,12 +5,13 @@ CUDA + ROCm job that a single-GPU machine offers.
 
     python -m launch.local --config configs/gpu_cpu_hetero.py [--backend host|direct]
 
-Both islands run the deterministic profile with fp32 matmuls at full precision
-(`JAX_DEFAULT_MATMUL_PRECISION=highest`; a GPU would otherwise multiply fp32 in TF32),
-so the losses can be held to the platforms tolerance against the one-island run on CPU:
+Both islands run the deterministic profile. For losses within the platforms tolerance of
+the one-island run on CPU, export JAX_DEFAULT_MATMUL_PRECISION=highest first (a GPU would
+otherwise multiply fp32 in TF32); bench/gpu_checks.sh does both:
 
     python -m hetjax.train --config configs/gpu_cpu_hetero.py --config.hetero.islands='()' \\
-        --config.mesh.pipeline=2 --config.compile.platform=cpu   # with 2 virtual CPU devices
+        --config.mesh.pipeline=2 --config.sharding.max_replicated_fraction=1 \\
+        --config.compile.platform=cpu   # with JAX_PLATFORMS=cpu and 2 virtual CPU devices
 """
 
 import dataclasses

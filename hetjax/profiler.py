@@ -70,7 +70,7 @@ class Profiler:
 
 # Kernel names by what they do, as CUDA's and ROCm's libraries and XLA name them.
 KERNEL_KINDS = (
-    ("attention", re.compile(r"fmha|flash|attention|sdpa|cudnn_?gen", re.I)),
+    ("attention", re.compile(r"fmha|flash|attention|sdpa", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|wgmma|hipblaslt|dot", re.I)),
     ("collective", re.compile(r"nccl|rccl|all-?reduce|all-?gather|reduce-?scatter|collective", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy", re.I)),
@@ -85,11 +85,13 @@ def kernel_kind(name: str) -> str:
 def kernel_summary(trace_dir: str | Path, top: int = 12) -> list[str]:
     """Lines describing the device time in the newest perfetto trace under `trace_dir`:
     busy time per device (the union of its kernels' intervals) against the traced span,
-    the time per kind of kernel, and the `top` kernels by total time. [] without one."""
+    the time per kind of kernel, and the `top` kernels by total time with their launch
+    counts. [] without one."""
     files = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
     if not files:
         return []
-    events = json.loads(gzip.open(files[-1]).read())["traceEvents"]
+    with gzip.open(files[-1]) as f:
+        events = json.load(f)["traceEvents"]
     devices = {e["pid"]: e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "process_name" and
                str(e.get("args", {}).get("name", "")).startswith("/device:")}
@@ -109,11 +111,12 @@ def kernel_summary(trace_dir: str | Path, top: int = 12) -> list[str]:
         lines.append(f"{name}: kernels busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms traced "
                      f"({busy / span:.1%}), {len(mine)} kernels")
     total = sum(e["dur"] for e in kernels)
-    kinds, names = collections.Counter(), collections.Counter()
+    kinds, names, launches = collections.Counter(), collections.Counter(), collections.Counter()
     for e in kernels:
         kinds[kernel_kind(e["name"])] += e["dur"]
         names[e["name"]] += e["dur"]
+        launches[e["name"]] += 1
     lines.append("kernel time by kind: " + ", ".join(f"{k} {t / total:.1%}" for k, t in kinds.most_common()))
     for n, t in names.most_common(top):
-        lines.append(f"  {t / 1e3:9.2f} ms  {t / total:6.1%}  [{kernel_kind(n)}] {n[:110]}")
+        lines.append(f"  {t / 1e3:9.2f} ms  {t / total:6.1%}  x{launches[n]:<5d} [{kernel_kind(n)}] {n[:100]}")
     return lines

@@ -159,10 +159,14 @@ def cudnn_packed_attention(q, k, v, segment_ids, max_documents: int):
 
     jax.nn.dot_product_attention(implementation="cudnn") turns a (B, 1, T, T) mask into an
     additive bias that both passes read; given each row's document starts and lengths
-    instead, cuDNN skips the other documents' blocks (bench.attention: 3x faster at
-    Llama-3.2-1B's shape on an H200). cuDNN's workspace grows with `max_documents` (room
-    for T documents asked 2 TiB), and a row with more documents than that would be
-    attended wrongly, so the model uses it only once the data bounds documents per row."""
+    instead, cuDNN skips the other documents' blocks (bench.attention, Llama-3.2-1B's shape
+    on an H200: up to 3.3x faster, less as `max_documents` grows past the rows' real count).
+    cuDNN's workspace grows with `max_documents` (room for T documents asked 2 TiB), and a
+    row with more documents than that would be attended wrongly, so the model does not use
+    it until the data bounds documents per row. jax exposes the packed layout only in its
+    private cuDNN module."""
+    if max_documents < 2:  # jax takes offsets of one segment per row as an unpacked layout
+        raise ValueError(f"max_documents={max_documents}: cuDNN's packed layout needs room for at least 2")
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
     lengths, starts = packed_segments(segment_ids, max_documents)
     return dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts,
@@ -234,7 +238,7 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         # Packed documents: a token sees only earlier tokens of its own segment.
         # cuDNN turns this mask into an additive bias; its packed layout (cudnn_packed_attention)
-        # is 3x faster but needs a bound on documents per row that the data does not give yet.
+        # is up to 3.3x faster but needs a bound on documents per row that the data lacks.
         same_segment = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # (B, 1, T, T)
         out = jax.nn.dot_product_attention(
             q, k, v, mask=same_segment, is_causal=True, implementation=self.implementation

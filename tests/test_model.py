@@ -353,3 +353,7 @@ def test_packed_segments_gives_each_rows_document_starts_and_lengths():
     # Room for fewer documents than a row holds: the rest merge into the last one.
     lengths, starts = packed_segments(jnp.asarray([[1, 1, 2, 3, 3, 4]]), 2)
     assert starts.tolist() == [[0, 2, -1]] and lengths.tolist() == [[2, 4]]
+    # jax reads offsets with room for one document per row as an unpacked layout.
+    from hetjax.models.llama import cudnn_packed_attention
+    with pytest.raises(ValueError, match="max_documents=1"):
+        cudnn_packed_attention(None, None, None, jnp.ones((1, 4), jnp.int32), 1)

@@ -88,7 +88,8 @@ def test_kernel_summary_counts_overlapping_kernels_once_and_sorts_them_by_kind(t
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
         {"ph": "X", "pid": 7, "tid": 1, "ts": 1000, "dur": 100, "name": "sm90_xmma_gemm_bf16"},
         {"ph": "X", "pid": 7, "tid": 2, "ts": 1050, "dur": 100, "name": "loop_add_fusion"},
-        {"ph": "X", "pid": 7, "tid": 1, "ts": 1200, "dur": 50, "name": "ncclDevKernel_AllReduce"},
+        {"ph": "X", "pid": 7, "tid": 1, "ts": 1200, "dur": 30, "name": "ncclDevKernel_AllReduce"},
+        {"ph": "X", "pid": 7, "tid": 1, "ts": 1230, "dur": 20, "name": "ncclDevKernel_AllReduce"},
         {"ph": "X", "pid": 1, "tid": 3, "ts": 0, "dur": 5000, "name": "PjitFunction(step)"},  # host: not counted
     ]
     path = tmp_path / "plugins" / "profile" / "run" / "perfetto_trace.json.gz"
@@ -97,7 +98,8 @@ def test_kernel_summary_counts_overlapping_kernels_once_and_sorts_them_by_kind(t
         json.dump({"traceEvents": events}, f)
     lines = profiler.kernel_summary(tmp_path)
     # busy: 1000..1150 and 1200..1250 = 200 us of the 250 us from the first start to the last end
-    assert lines[0] == "/device:GPU:0: kernels busy 0.2 ms of 0.2 ms traced (80.0%), 3 kernels"
+    assert lines[0] == "/device:GPU:0: kernels busy 0.2 ms of 0.2 ms traced (80.0%), 4 kernels"
     assert lines[1] == "kernel time by kind: matmul 40.0%, other 40.0%, collective 20.0%"
-    assert "[matmul] sm90_xmma_gemm_bf16" in lines[2] and len(lines) == 5
+    assert "x1     [matmul] sm90_xmma_gemm_bf16" in lines[2] and len(lines) == 5
+    assert lines[4].endswith("x2     [collective] ncclDevKernel_AllReduce"), lines
     assert profiler.kernel_summary(tmp_path / "none") == []
