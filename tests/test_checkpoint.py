@@ -234,9 +234,18 @@ def abandoned_tasks() -> int:
 def test_a_damaged_checkpoint_leaves_no_abandoned_reads_behind(tmp_path, saved, monkeypatch):
     """orbax abandons its other reads when one fails: each used to raise the damage again
     when collected, later, in whichever code ran then (~100 tracebacks a restore, about
-    one restore in three). Restores until two did abandon reads, so that it is tested. Most
-    of the file is cut off: more reads fail while others are in flight (with half cut off,
-    a CI run under load once saw no abandoned read in 30 restores)."""
+    one restore in three). Left alone, whether a read is still in flight when the damaged one
+    fails is a race (a CI run on a slower machine saw none in 30 restores), so the disk is
+    made slow here: a sound read stays in flight 0.2 s after its bytes arrive, a damaged one
+    fails at once. Restores until two did abandon reads, so that it is tested."""
+    from orbax.checkpoint._src.serialization import serialization as orbax_serialization
+    read = orbax_serialization._read_shard
+
+    async def slow_when_sound(**kwargs):
+        shard = await read(**kwargs)
+        await asyncio.sleep(0.2)
+        return shard
+    monkeypatch.setattr(orbax_serialization, "_read_shard", slow_when_sound)
     abstract, shardings = abstract_for(MeshConfig(fsdp=8), 8)
     close, seen = orbax_noise.close_abandoned_tasks, []
 
