@@ -28,7 +28,7 @@ from tests.test_sharding import CFG, build
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-       "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+       "XLA_FLAGS": os.environ["XLA_FLAGS"]}  # conftest's: 8 devices, compiled as in this process
 STEPS = 40  # SIGTERM lands at step 8: the steps left keep a slow test runner from missing the run
 TRAIN_ARGS = ["--config", "tiny.py", f"--config.steps={STEPS}", "--config.checkpoint.every=3",
               "--config.eval_every=0", "--config.tensorboard=false", "--config.log_every=1",

@@ -285,7 +285,9 @@ def test_virtual_islands_save_asynchronously_and_resume(tmp_path):
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "hetjax.train", "--config", "configs/tiny_hetero.py", f"--config.run_dir={run_dir}",
             "--config.eval_every=0", "--config.checkpoint.every=2", "--config.checkpoint.keep=3"]
-    env = dict({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, PYTHONPATH=str(ROOT))
+    # No device count (the job sets its own), but the suite's other XLA flags (conftest).
+    flags = " ".join(f for f in os.environ["XLA_FLAGS"].split() if "device_count" not in f)
+    env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=str(ROOT))
     for steps in (6, 8):  # then resume both islands from step 6
         run = subprocess.run(args + [f"--config.steps={steps}"], capture_output=True, text=True, env=env,
                              cwd=ROOT, timeout=300)

@@ -122,7 +122,8 @@ def test_bad_input_names_the_flag(capsys):
 
 def test_sweep_on_more_devices_in_a_fresh_process(tmp_path):
     # 16 virtual devices: more than this test process has, so the planner starts its own.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # No device count (the planner sets its own), but the suite's other XLA flags (conftest).
+    env = dict(os.environ, XLA_FLAGS=" ".join(f for f in os.environ["XLA_FLAGS"].split() if "device_count" not in f))
     proc = subprocess.run(
         [sys.executable, "-m", "hetjax.plan", "--config", "tiny", "--devices", "16", "--mesh",
          "fsdp=16;data=2,fsdp=4,tensor=2", "--config.model.num_layers=1", "--out", str(tmp_path)],

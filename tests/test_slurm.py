@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hetjax.compile import backend
 from hetjax.launch import local
 from tests import test_multiprocess
 
@@ -44,7 +45,7 @@ def slurm(tmp_path_factory):
     conf = re.search(r"export SLURM_CONF=(\S+)", run.stdout)[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HETJAX_"))}
     env.update(SLURM_CONF=conf, JAX_PLATFORMS="cpu", HETJAX_REPO=str(ROOT), HETJAX_PYTHON=sys.executable,
-               XLA_FLAGS="--xla_force_host_platform_device_count=2", HETJAX_STAND_IN="cpu")
+               XLA_FLAGS=backend.with_cpu_device_count(os.environ["XLA_FLAGS"], 2), HETJAX_STAND_IN="cpu")
     yield env
     if "already up" not in run.stdout:
         subprocess.run([str(SLURM / "cluster.sh"), "down"], capture_output=True, timeout=60)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hetjax.compile import backend
 from hetjax.config import Config, ConfigError, validate
 from hetjax.errors import MissingExtra
 from hetjax.metrics import WandbConfig
@@ -50,7 +51,7 @@ def test_an_islands_job_logs_one_offline_run_whose_history_is_its_metrics(tmp_pa
     # Offline, and any attempt at the network would go nowhere.
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", WANDB_MODE="offline", WANDB_SILENT="true",
                WANDB_BASE_URL="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+               XLA_FLAGS=backend.with_cpu_device_count(os.environ["XLA_FLAGS"], 4))
     r = subprocess.run([sys.executable, "-m", "hetjax.train", "--config", "tiny_hetero", f"--config.run_dir={run_dir}",
                         "--config.steps=3", "--config.eval_every=0",
                         "--config.tensorboard=false", "--config.checkpoint.every=0",
