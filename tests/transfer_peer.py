@@ -28,8 +28,12 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={2 if sys.argv[1:2] == ['recv'] else 4}"
-os.environ["JAX_PLATFORMS"] = "cpu"
+from hetjax.compile.backend import with_cpu_device_count  # noqa: E402 - imports no jax
+
+if __name__ == "__main__":  # a peer process; a test that imports this module keeps its own
+    count = 2 if sys.argv[1:2] == ["recv"] else 4
+    os.environ["XLA_FLAGS"] = with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), count)
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
