@@ -20,6 +20,7 @@ from hetjax.config import (ConfigError, HeteroConfig, IslandConfig, LinkConfig, 
 from hetjax.hetero import job as job_lib
 from hetjax.hetero import placement
 from hetjax.hetero.links import IslandLost, Links
+from hetjax.repro.check import cpu_env
 
 STEPS = 10
 ROOT = Path(__file__).resolve().parent.parent
@@ -286,8 +287,7 @@ def test_virtual_islands_save_asynchronously_and_resume(tmp_path):
     args = [sys.executable, "-m", "hetjax.train", "--config", "configs/tiny_hetero.py", f"--config.run_dir={run_dir}",
             "--config.eval_every=0", "--config.checkpoint.every=2", "--config.checkpoint.keep=3"]
     # No device count (the job sets its own), but the suite's other XLA flags (conftest).
-    flags = " ".join(f for f in os.environ["XLA_FLAGS"].split() if "device_count" not in f)
-    env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=str(ROOT))
+    env = dict(cpu_env(None), PYTHONPATH=str(ROOT))
     for steps in (6, 8):  # then resume both islands from step 6
         run = subprocess.run(args + [f"--config.steps={steps}"], capture_output=True, text=True, env=env,
                              cwd=ROOT, timeout=300)

@@ -17,6 +17,7 @@ from hetjax.compile.cli import run
 from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, load
 from hetjax.mesh import make_mesh
 from hetjax.plan import main as plan_main
+from hetjax.repro.check import cpu_env
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = Config(model=ModelConfig(vocab_size=64, num_layers=3, embed_dim=32, mlp_dim=64, num_heads=4,
@@ -122,8 +123,7 @@ def test_bad_input_names_the_flag(capsys):
 
 def test_sweep_on_more_devices_in_a_fresh_process(tmp_path):
     # 16 virtual devices: more than this test process has, so the planner starts its own.
-    # No device count (the planner sets its own), but the suite's other XLA flags (conftest).
-    env = dict(os.environ, XLA_FLAGS=" ".join(f for f in os.environ["XLA_FLAGS"].split() if "device_count" not in f))
+    env = cpu_env(None)  # no device count (the planner sets its own), the suite's other XLA flags
     proc = subprocess.run(
         [sys.executable, "-m", "hetjax.plan", "--config", "tiny", "--devices", "16", "--mesh",
          "fsdp=16;data=2,fsdp=4,tensor=2", "--config.model.num_layers=1", "--out", str(tmp_path)],
