@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import json
 import math
@@ -199,17 +200,15 @@ def save(cfg: Config, path: Path) -> None:
 
 def validate(cfg: Config) -> None:
     """Checks everything that can be checked from the config alone."""
+    _validate_values(cfg)
     validate_model(cfg.model)
-    for key in ("steps", "batch_size", "seq_len", "log_every"):
-        if getattr(cfg, key) <= 0:
-            raise ConfigError(f"config.{key}={getattr(cfg, key)}: must be positive")
+    _validate_run(cfg)
     if cfg.optim.grad_accum_steps <= 0:
         raise ConfigError(f"config.optim.grad_accum_steps={cfg.optim.grad_accum_steps}: must be positive")
     if cfg.batch_size % cfg.optim.grad_accum_steps:
         raise ConfigError(
             f"config.batch_size={cfg.batch_size} is not divisible by "
             f"config.optim.grad_accum_steps={cfg.optim.grad_accum_steps}")
-    _validate_finite(cfg)
     validate_optim(cfg.optim)
     validate_mesh(cfg.mesh)
     validate_pipeline(cfg)
@@ -218,27 +217,85 @@ def validate(cfg: Config) -> None:
     validate_data(cfg)
     validate_checkpoint(cfg.checkpoint)
     validate_hetero(cfg)
-    if cfg.fingerprint_every < 0:
-        raise ConfigError(f"config.fingerprint_every={cfg.fingerprint_every}: use 0 (first and last "
-                          f"step only) or a positive step count")
-    _validate_profile_steps(cfg.profile_steps)
     validate_wandb(cfg.wandb)
 
 
-def _validate_finite(section, prefix: str = "config") -> None:
-    # A config file's float('nan') or 1e999 is refused here as an override's is in _parse.
+def _validate_run(cfg: Config) -> None:
+    """The run's own settings (the sections check theirs)."""
+    for key in ("steps", "batch_size", "seq_len", "log_every"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"config.{key}={getattr(cfg, key)}: must be positive")
+    if cfg.eval_every < 0:
+        raise ConfigError(f"config.eval_every={cfg.eval_every}: use 0 (no evaluation) or a positive step count")
+    if cfg.eval_every and cfg.eval_batches <= 0:
+        raise ConfigError(f"config.eval_batches={cfg.eval_batches}: must be positive while config.eval_every="
+                          f"{cfg.eval_every} (or set config.eval_every=0 to evaluate never)")
+    if not 0 <= cfg.seed < 2**32:
+        raise ConfigError(f"config.seed={cfg.seed}: use an integer in [0, 2**32)")
+    if not cfg.run_dir.strip():
+        raise ConfigError("config.run_dir='': give the run's directory, e.g. --config.run_dir=runs/NAME "
+                          "(an empty one would write checkpoints and logs into the current directory)")
+    if not 0 < cfg.memory_fraction <= 1:
+        raise ConfigError(f"config.memory_fraction={cfg.memory_fraction}: the share of device memory a run may "
+                          f"plan for must lie in (0, 1], e.g. 0.9")
+    for key, zero in (("device_memory_gib", "ask the device"), ("peak_tflops", "the platform's table")):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"config.{key}={getattr(cfg, key)}: must not be negative (0: {zero})")
+    if cfg.fingerprint_every < 0:
+        raise ConfigError(f"config.fingerprint_every={cfg.fingerprint_every}: use 0 (first and last "
+                          f"step only) or a positive step count")
+    _validate_profile_steps(cfg.profile_steps, cfg.steps)
+
+
+def _validate_values(section, prefix: str = "config") -> None:
+    """Checks every value against its field's type, as _parse checks an override: a
+    config file's 2.5 steps or "16" rows fail here, naming the field, not in a compile."""
     for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
-        if dataclasses.is_dataclass(value):
-            _validate_finite(value, f"{prefix}.{f.name}")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{prefix}.{f.name}={value}: not finite; give a finite number")
+        _check_value(f"{prefix}.{f.name}", getattr(section, f.name), _hints(type(section))[f.name])
 
 
-def _validate_profile_steps(text: str) -> None:
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _check_value(key: str, value, typ) -> None:
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(typ):
+            return
+        typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    origin = typing.get_origin(typ) or typ
+    if dataclasses.is_dataclass(origin):
+        if not isinstance(value, origin):
+            raise ConfigError(f"{key}={value!r}: expected a {origin.__name__}(...) section")
+        _validate_values(value, key)
+        return
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            raise ConfigError(f"{key}={value!r}: expected a tuple; write (a, b), not [a, b]")
+        for i, item in enumerate(value):  # islands, links: sections in a tuple
+            if dataclasses.is_dataclass(item):
+                _validate_values(item, f"{key}[{i}]")
+        return
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str)}.get(origin)
+    if ok is not None and not ok(value):
+        article = "an" if origin.__name__[:1] in "aeiou" else "a"
+        raise ConfigError(f"{key}={value!r}: expected {article} {origin.__name__}, got a {type(value).__name__}")
+    # A config file's float('nan') or 1e999 is refused here as an override's is in _parse.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value}: not finite; give a finite number")
+
+
+def _validate_profile_steps(text: str, steps: int) -> None:
     if not text:
         return
     a, colon, b = text.partition(":")
     if not (colon and a.strip().isdigit() and b.strip().isdigit() and int(a) < int(b)):
         raise ConfigError(f"config.profile_steps={text!r}: write A:B with 0 <= A < B, e.g. "
                           f"--config.profile_steps=10:13 to trace steps 10, 11 and 12")
+    if int(a) >= steps:
+        raise ConfigError(f"config.profile_steps={text!r}: step {int(a)} is not below config.steps={steps}, "
+                          f"so no step would be traced; pick A < {steps}")

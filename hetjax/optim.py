@@ -34,6 +34,9 @@ def validate_optim(cfg: OptimConfig) -> None:
         value = getattr(cfg, name)  # finite: config.validate refuses any non-finite float first
         if value < 0:
             raise ConfigError(f"config.optim.{name}={value}: must not be negative")
+    if cfg.min_lr_ratio > 1:
+        raise ConfigError(f"config.optim.min_lr_ratio={cfg.min_lr_ratio}: the decay's end as a share of "
+                          f"learning_rate must lie in [0, 1], e.g. 0.1")
     for name in ("b1", "b2"):
         if getattr(cfg, name) >= 1:
             raise ConfigError(f"config.optim.{name}={getattr(cfg, name)}: must be in [0, 1) (e.g. 0.9)")

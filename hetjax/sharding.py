@@ -71,6 +71,10 @@ def validate_sharding(s: ShardingConfig, model_axes) -> None:
                 raise ConfigError(
                     f"config.sharding.rules[{i}]={rule!r}: {axis!r} is not a mesh axis; "
                     f"mesh axes are {MESH_AXES}")
+        if len(set(targets)) != len(targets):
+            twice = next(a for a in targets if targets.count(a) > 1)
+            raise ConfigError(f"config.sharding.rules[{i}]={rule!r}: mesh axis {twice!r} is named twice; "
+                              f"name each mesh axis once")
         if rule[0] in names:
             raise ConfigError(f"config.sharding.rules: logical axis {rule[0]!r} appears twice")
         names.add(rule[0])

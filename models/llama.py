@@ -94,6 +94,20 @@ def validate_model(m: ModelConfig) -> None:
             f"KV head among an equal number of query heads")
     if m.head_dim % 2:
         raise ConfigError(f"config.model.head_dim={m.head_dim}: RoPE needs an even head_dim")
+    for key, example in (("norm_eps", "1e-5"), ("rope_theta", "500000.0")):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"config.model.{key}={getattr(m, key)}: must be positive, e.g. {example}")
+    if m.rope_scaling_factor < 1:
+        raise ConfigError(f"config.model.rope_scaling_factor={m.rope_scaling_factor}: use 1 (no scaling) or "
+                          f"Llama 3's factor > 1, e.g. 8.0")
+    if m.rope_scaling_factor > 1:  # the fields of Llama 3's scaling, used only then
+        if m.rope_original_max_length <= 0:
+            raise ConfigError(f"config.model.rope_original_max_length={m.rope_original_max_length}: must be "
+                              f"positive, e.g. 8192")
+        if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+            raise ConfigError(
+                f"config.model.rope_low_freq_factor={m.rope_low_freq_factor} and rope_high_freq_factor="
+                f"{m.rope_high_freq_factor}: need 0 < low < high (Llama 3.1: 1.0 and 4.0)")
 
 _init = nnx.initializers.normal(stddev=0.02)
 

@@ -111,12 +111,46 @@ def no_compile(monkeypatch):
      r"multiple of 8; nearest valid values: 8 or 16"),
     (["--config.optim.learning_rate=-1e-3"], r"config.optim.learning_rate=-0.001: must not be negative"),
     (["--config.optim.learning_rate=inf"], r"config.optim.learning_rate='inf': not finite"),
+    (["--config.optim.min_lr_ratio=5"], r"config.optim.min_lr_ratio=5.0: .* must lie in \[0, 1\]"),
+    # Values that used to pass and then divide by zero, train silently wrong or write elsewhere.
+    (["--config.memory_fraction=0"], r"config.memory_fraction=0.0: .* must lie in \(0, 1\]"),
+    (["--config.memory_fraction=5"], r"config.memory_fraction=5.0"),
+    (["--config.device_memory_gib=-1"], r"config.device_memory_gib=-1.0: must not be negative"),
+    (["--config.eval_every=1", "--config.eval_batches=0"], r"config.eval_batches=0: must be positive"),
+    (["--config.eval_every=-5"], r"config.eval_every=-5: use 0"),
+    (["--config.data.seed=-1"], r"config.data.seed=-1: use an integer in \[0, 2\*\*32\)"),
+    (["--config.seed=99999999999999999999"], r"config.seed=99999999999999999999: use an integer"),
+    (["--config.model.norm_eps=-1"], r"config.model.norm_eps=-1.0: must be positive"),
+    (["--config.model.rope_theta=0"], r"config.model.rope_theta=0.0: must be positive"),
+    (["--config.model.rope_scaling_factor=8", "--config.model.rope_low_freq_factor=4"],
+     r"rope_low_freq_factor=4.0 and rope_high_freq_factor=4.0: need 0 < low < high"),
+    (["--config.run_dir="], r"config.run_dir='': give the run's directory"),
+    (["--config.steps=2", "--config.profile_steps=5:7"], r"step 5 is not below config.steps=2"),
+    (["--config.sharding.rules=" + repr(tuple(dict(config_lib.DEFAULT_RULES, batch=("fsdp", "fsdp")).items()))],
+     r"mesh axis 'fsdp' is named twice"),
 ])
 def test_bad_configs_fail_before_compiling(overrides, message, no_compile, tmp_path):
     argv = ["--config", "tiny.py", f"--config.run_dir={tmp_path / 'run'}", *overrides]
     with pytest.raises(ConfigError, match=message):
         train.main(argv)
     assert not (tmp_path / "run").exists()  # nothing written either
+
+
+@pytest.mark.parametrize("assignment,message", [
+    ("steps=2.5", r"config.steps=2.5: expected an int, got a float"),
+    ("batch_size='16'", r"config.batch_size='16': expected an int, got a str"),
+    ("tensorboard='no'", r"config.tensorboard='no': expected a bool"),
+    ("mesh={'fsdp': -1}", r"config.mesh=\{'fsdp': -1\}: expected a MeshConfig\(...\) section"),
+    ("model=dataclasses.replace(cfg.model, num_layers=2.0)", r"config.model.num_layers=2.0: expected an int"),
+    ("sharding=dataclasses.replace(cfg.sharding, rules=[('batch', 'fsdp')])", r"expected a tuple"),
+])
+def test_a_config_file_s_values_are_checked_by_type_as_overrides_are(assignment, message, no_compile, tmp_path):
+    path = tmp_path / "typed.py"
+    path.write_text("import dataclasses\nfrom hetjax.config import load\n\n"
+                    f"def get_config():\n    cfg = load('tiny')\n    return dataclasses.replace(cfg, {assignment})\n")
+    with pytest.raises(ConfigError, match=message):
+        train.main(["--config", str(path), f"--config.run_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
 
 
 def test_cli_exits_with_the_message(capsys, monkeypatch, no_compile):

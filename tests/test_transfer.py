@@ -115,6 +115,17 @@ def test_fan_out_through_the_destination_collective_is_bit_exact():
     shards = [s.data if s.device in mesh.devices[0] else jnp.zeros_like(s.data) for s in x.addressable_shards]
     only_row0 = jax.make_array_from_single_device_arrays(x.shape, sh, shards)
     np.testing.assert_array_equal(bits(fan_out(only_row0)), bits(x))
+    # bool has no bit cast; and the program is compiled once per (mesh, spec, dtype), not per message.
+    from hetjax.transfer.core import _fan_out_program
+    flags = jax.device_put(np.random.default_rng(4).integers(0, 2, (4, 8)).astype(bool), sh)
+    shards = [s.data if s.device in mesh.devices[0] else jnp.zeros_like(s.data) for s in flags.addressable_shards]
+    only_row0 = jax.make_array_from_single_device_arrays(flags.shape, sh, shards)
+    hits = _fan_out_program.cache_info().hits
+    for _ in range(2):
+        out = fan_out(only_row0)
+        assert out.dtype == jnp.bool_ and np.array_equal(np.asarray(out), np.asarray(flags))
+        assert all(np.array_equal(np.asarray(s.data), np.asarray(flags)[s.index]) for s in out.addressable_shards)
+    assert _fan_out_program.cache_info().hits == hits + 1
 
 
 def test_wrong_secret_is_refused_and_logged(monkeypatch, caplog):
@@ -202,6 +213,52 @@ def test_wrong_shape_dtype_or_tag_is_refused():
     with pytest.raises(TransferTimeout, match="recv 'expected' from source process 0"):
         r.wait()
     a.close(), b.close()
+
+
+def test_a_timed_out_receive_is_withdrawn_and_its_tag_can_be_posted_again():
+    a, b = endpoints("host", timeout_s=0.5)
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))
+    x = random_array((8, 4), "int32", 5, sh)
+    like = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    try:
+        r = b.recv("t", like, sh, peers={0: a.addresses})
+        with pytest.raises(TransferTimeout, match="no data for 0.5 s"):
+            r.wait()
+        assert r.done() and isinstance(r.future.exception(), TransferTimeout)
+        out, _, _ = move(a, b, x, sh)  # the same tag, posted again, receives the message
+        np.testing.assert_array_equal(bits(out), bits(x))
+    finally:
+        a.close(), b.close()
+
+
+def test_a_closed_endpoint_lets_go_of_its_port():
+    """close() wakes the threads blocked in accept() and recv() (a bare close() of their
+    sockets does not, on Linux): the port is free again and nothing answers on it."""
+    a, b = endpoints("host")
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))
+    move(a, b, random_array((8, 4), "int32", 6, sh), sh)  # b now has a stream in its idle read
+    port = int(b.addresses[0].rsplit(":", 1)[1])
+    a.close(), b.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    again = open_endpoint(LinkConfig(backend="host", port=port))
+    assert again.addresses == b.addresses
+    again.close()
+    with pytest.raises(TransferError, match="the endpoint is closed"):
+        a.send(random_array((8, 4), "int32", 7, sh), "late", sh, peers={0: ("127.0.0.1:9",)})
+
+
+def test_complex_arrays_are_refused_naming_the_leaf():
+    a, b = endpoints("host")
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))
+    z = jax.device_put(jnp.ones((8, 4), jnp.complex64), sh)
+    try:
+        with pytest.raises(TransferError, match="leaf 0 is complex64; complex arrays are not transferred"):
+            a.send({"w": z}, "z", sh, peers={0: b.addresses})
+        with pytest.raises(TransferError, match="recv 'z': leaf 0 is complex64"):
+            b.recv("z", jax.ShapeDtypeStruct(z.shape, z.dtype, sharding=sh), sh)
+    finally:
+        a.close(), b.close()
 
 
 def test_bad_link_config_names_the_field(monkeypatch):

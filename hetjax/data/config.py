@@ -62,5 +62,7 @@ def validate_data(cfg) -> None:
     for key in ("num_workers", "start_step"):
         if getattr(d, key) < 0:
             raise ConfigError(f"config.data.{key}={getattr(d, key)}: must be >= 0")
+    if not 0 <= d.seed < 2**32:
+        raise ConfigError(f"config.data.seed={d.seed}: use an integer in [0, 2**32)")
     if d.start_step >= cfg.steps:
         raise ConfigError(f"config.data.start_step={d.start_step}: must be below config.steps={cfg.steps}")

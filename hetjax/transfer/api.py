@@ -73,6 +73,7 @@ class Endpoint:
                 raise TransferError(
                     f"send {tag!r}: leaf {i} is a {type(x).__name__} with sharding "
                     f"{getattr(x, 'sharding', None)}; send jax.Arrays with a NamedSharding")
+            _check_dtype(f"send {tag!r}", i, x.dtype)
         dst_layouts = core.layouts(dst)
         src_layouts = [Layout.of(x.sharding) for x in leaves]
         plans = core.leaf_plans(leaves, src_layouts, dst_layouts, f"send {tag!r}")
@@ -86,6 +87,7 @@ class Endpoint:
                 raise TransferError(
                     f"recv {tag!r}: leaf {i} of `like` has sharding {getattr(a, 'sharding', None)}; give "
                     f"jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(...)) for every leaf")
+            _check_dtype(f"recv {tag!r}", i, a.dtype)
         dst_layouts = [Layout.of(a.sharding) for a in avals]
         plans = core.leaf_plans(avals, core.layouts(src), dst_layouts, f"recv {tag!r}")
         return core.Expect(avals, plans, dst_layouts, treedef)
@@ -94,6 +96,13 @@ class Endpoint:
 def _check_tag(tag) -> None:
     if not isinstance(tag, str) or not tag or len(tag.encode()) > 1024:
         raise TransferError(f"tag={tag!r}: use a non-empty string of at most 1024 bytes, e.g. 'act/step3/stage1'")
+
+
+def _check_dtype(what: str, i: int, dtype) -> None:
+    # Transfers move bits (core.as_bits), and XLA bit-casts no complex type.
+    if np.dtype(dtype).kind == "c":
+        raise TransferError(f"{what}: leaf {i} is {np.dtype(dtype).name}; complex arrays are not transferred, "
+                            f"send their real and imaginary parts (jnp.real, jnp.imag) as two arrays")
 
 
 def check_leaf(tag: str, i: int, got_shape, got_dtype, aval) -> None:

@@ -4,6 +4,7 @@ and building the destination array from received blocks (with the fan-out)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import queue
 import sys
@@ -35,6 +36,7 @@ class Handle:
         self.wire_bytes = 0
         self.first_byte: float | None = None  # perf_counter time the first byte arrived (when known)
         self._result = None
+        self._spreading: futures.Future | None = None  # the fan-out's collective, once started
         self._lock = threading.Lock()  # one fan-out: a second would be a collective on this process only
 
     @property
@@ -73,9 +75,16 @@ class Handle:
                         self._result = (self._spread(self._future.result()),)
                 return self._result[0]
             if self._idle is not None and self._idle() > self._timeout_s:
-                raise TransferTimeout(
+                error = TransferTimeout(
                     f"{self._describe}: no data for {self._timeout_s:g} s (LinkConfig.timeout_s); "
                     f"the peer stopped answering or never sent")
+                # Ends the transfer too: a receive given up on is withdrawn (its tag can be
+                # posted again, its buffers go back), and a late message for it is refused.
+                try:
+                    self._future.set_exception(error)
+                except futures.InvalidStateError:  # it finished meanwhile
+                    continue
+                raise error
 
     def _spread(self, tree):
         """Fans out the arrays whose replica groups span processes. The collective waits
@@ -83,8 +92,10 @@ class Handle:
         it died) gives a TransferTimeout after timeout_s, not a hang."""
         if not any(isinstance(x, Unspread) for x in jax.tree.leaves(tree)):
             return tree
-        future = run_async(lambda: jax.block_until_ready(
-            jax.tree.map(lambda x: fan_out(x.array) if isinstance(x, Unspread) else x, tree)))
+        if self._spreading is None:  # a wait() after a timed-out one waits for the same collective
+            self._spreading = run_async(lambda: jax.block_until_ready(
+                jax.tree.map(lambda x: fan_out(x.array) if isinstance(x, Unspread) else x, tree)))
+        future = self._spreading
         if not futures.wait([future], timeout=self._timeout_s or None).done:
             raise TransferTimeout(
                 f"{self._describe}: the destination's other processes did not join its fan-out "
@@ -332,18 +343,26 @@ def fan_out(x: jax.Array) -> jax.Array:
     destination's own collective: a psum over the replicated mesh axes of the bits
     (every member but the receiver holds zeros, so the sum is the block, bit for bit)."""
     sharding = x.sharding
-    mesh, spec = sharding.mesh, PartitionSpec(*sharding.spec)
+    spec = PartitionSpec(*sharding.spec)
+    fn = _fan_out_program(sharding.mesh, spec, np.dtype(x.dtype))
+    return x if fn is None else fn(x)
+
+
+@functools.lru_cache(maxsize=256)  # one program per (mesh, spec, dtype): a job receives the same every step
+def _fan_out_program(mesh, spec: PartitionSpec, dtype: np.dtype):
     used = {a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))}
     free = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
     if not free:
-        return x
-    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[np.dtype(x.dtype).itemsize]  # no x64
+        return None
 
     def body(block):
+        if dtype == np.bool_:  # no bit cast for bool: the receiver's True is the only 1 in the sum
+            return jax.lax.psum(block.astype(jnp.uint8), free) != 0
+        bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[dtype.itemsize]  # no x64
         u = jax.lax.bitcast_convert_type(block, bits)
-        return jax.lax.bitcast_convert_type(jax.lax.psum(u, free), x.dtype)
+        return jax.lax.bitcast_convert_type(jax.lax.psum(u, free), dtype)
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(x)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
 @dataclasses.dataclass

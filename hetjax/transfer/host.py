@@ -144,6 +144,8 @@ class HostEndpoint(Endpoint):
             try:
                 s.bind((host, cfg.port))
             except OSError as e:
+                s.close()
+                self.close()  # the addresses already bound, and their accepting threads
                 raise TransferError(f"link.bind_address/nic_addresses: cannot listen on {host}:{cfg.port} ({e})") from None
             s.listen(64)
             self._listeners.append(s)
@@ -194,6 +196,9 @@ class HostEndpoint(Endpoint):
                           f"a connection ({e}); retrying")
                 time.sleep(pause)
                 continue
+            if self._closed:  # arrived as close() ran
+                conn.close()
+                return
             pause, peer = 0.0, link.address(*addr[:2])
             with self._gate:
                 room = self._unauthenticated < MAX_UNAUTHENTICATED
@@ -383,6 +388,8 @@ class HostEndpoint(Endpoint):
     def _streams(self, addresses: tuple[str, ...]) -> list["Stream"]:
         """The streams to one destination process, started on first use."""
         with self._pipes_lock:
+            if self._closed:
+                raise TransferError("send: the endpoint is closed")
             if addresses not in self._pipes:
                 self._pipes[addresses] = [Stream(self, addresses[k % len(addresses)]) for k in range(self.cfg.streams)]
             return self._pipes[addresses]
@@ -395,10 +402,17 @@ class HostEndpoint(Endpoint):
         with self._quiet:  # acknowledge what already arrived (see _unacked)
             while self._unacked and (left := deadline - time.monotonic()) > 0:
                 self._quiet.wait(left)
-        self._closed = True
+        with self._pipes_lock:  # no stream starts after this (_streams)
+            self._closed = True
         with self._gate:
             conns = list(self._conns)
         for s in self._listeners + conns:
+            # A bare close() wakes no thread blocked in accept() or recv() on Linux: the
+            # port would stay bound and the threads alive. shutdown() wakes them.
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:  # not connected (yet, or any more)
+                pass
             s.close()
         with self._pipes_lock:
             for streams in self._pipes.values():

@@ -84,10 +84,18 @@ class Stream:
         with self.lock:
             self.closed = True
             self.jobs.put(None)
-        if self.sock is not None:
-            self.sock.close()
+            sock = self.sock
+        if sock is not None:  # wakes the thread if it waits for an ACK
+            sock.close()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:  # a socket the thread opened after close() looked at it
+            if self.sock is not None:
+                self.sock.close()
+
+    def _serve(self) -> None:
         while (item := self.jobs.get()) is not None:
             job, written = item
             error = None
