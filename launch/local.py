@@ -23,7 +23,9 @@ to let them share all).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import random
 import secrets
 import signal
 import socket
@@ -50,22 +52,41 @@ _VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}
 
 
 def free_ports(count: int, span: int = 1, host: str = "127.0.0.1") -> list[int]:
-    """`count` free base ports, each followed by span - 1 more free ones (base + k, k < span)."""
+    """`count` free base ports, each followed by span - 1 more free ones (base + k, k < span),
+    below Linux's ephemeral range: the sockets are let go before the processes bind them,
+    and a port the kernel hands to a connection (or to gloo's listeners) meanwhile is
+    drawn from that range, never from ours."""
     ports: list[int] = []
+    top = _ephemeral_low() - span
+    draw = random.Random()
     with ExitStack() as stack:  # hold every socket until all are chosen: no port twice
         def bind(port):
             s = stack.enter_context(socket.socket())
             s.bind((host, port))
             return s.getsockname()[1]
-        while len(ports) < count:
-            base = bind(0)
+        for _ in range(1000):
+            if len(ports) == count:
+                return ports
+            base = draw.randrange(_LOWEST_PORT, top)
             try:
-                for k in range(1, span):
+                for k in range(span):
                     bind(base + k)
             except OSError:
-                continue  # a neighbour is taken: draw another base
+                continue  # taken: draw another base
             ports.append(base)
-    return ports
+    raise ConfigError(f"no {count} block(s) of {span} free ports between {_LOWEST_PORT} and {top + span} on "
+                      f"{host}; free some")
+
+
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def plan(cfg: Config, stand_in: str = "", host: str = "127.0.0.1") -> list[scheduler.Placement]:
@@ -109,8 +130,14 @@ def device_env(platform: str, devices: int, first_device: int = 0, base=None) ->
     env["JAX_PLATFORMS"] = platform
     if platform == "cpu":
         env["XLA_FLAGS"] = backend.with_cpu_device_count(env.get("XLA_FLAGS", ""), devices)
-    else:  # several processes of GPU islands on one machine: each takes its own GPUs
-        env[_VISIBLE[platform]] = ",".join(map(str, range(first_device, first_device + devices)))
+    else:  # several processes of GPU islands on one machine: each takes its own of the GPUs given
+        name = _VISIBLE[platform]
+        given = [g.strip() for g in env.get(name, "").split(",") if g.strip()]
+        if given and len(given) < first_device + devices:
+            raise ConfigError(f"{name}={env[name]} gives this job {len(given)} GPUs, but its processes need at "
+                              f"least {first_device + devices} of them; give more, or fewer devices_per_process")
+        env[name] = ",".join(given[first_device:first_device + devices] if given
+                             else map(str, range(first_device, first_device + devices)))
     return env
 
 
@@ -172,14 +199,27 @@ class Process:
 
 
 def _pump(stream, prefix: str, log_path: Path, out, lock, on_line) -> None:
-    with open(log_path, "w", buffering=1) as log:
+    """Copies a process's output to its log and, prefixed, to `out`. The pipe is read to
+    its end whatever happens to `out` (a closed terminal, `| head`) or the hook: a process
+    whose pipe fills up blocks for ever, and the job with it."""
+    with open(log_path, "a", buffering=1) as log:  # a rerun in the same run_dir keeps the last one's log
+        log.write(f"----- launch.local: this process started at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         for line in iter(stream.readline, ""):
             log.write(line)
-            with lock:
-                out.write(prefix + line)
-                out.flush()
+            if out is not None:
+                try:
+                    with lock:
+                        out.write(prefix + line)
+                        out.flush()
+                except (OSError, ValueError) as e:  # the echo is gone; the log stays
+                    log.write(f"----- launch.local: stopped echoing this output ({e!r})\n")
+                    out = None
             if on_line is not None:
-                on_line(line)
+                try:
+                    on_line(line)
+                except Exception as e:  # noqa: BLE001 - a hook's error must not stop the reading
+                    log.write(f"----- launch.local: the on_line hook failed and is off ({e!r})\n")
+                    on_line = None
     stream.close()
 
 
@@ -225,14 +265,19 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
     lock, procs, next_device = threading.Lock(), [], {}
 
     def say(text):
-        with lock:
-            out.write(f"[launch] {text}\n")
-            out.flush()
+        try:
+            with lock:
+                out.write(f"[launch] {text}\n")
+                out.flush()
+        except (OSError, ValueError):  # a closed terminal or pipe: the job goes on, and is stopped as it should
+            pass
 
     stop = []  # a signal asked the launcher to stop the job
     handlers = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # A closed terminal or ssh session (SIGHUP) stops the job as Ctrl-C does: the
+        # processes run in their own sessions and would not get it.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             handlers[sig] = signal.signal(sig, lambda s, _: stop.append(s))
     try:
         placements = plan(cfg, stand_in)
@@ -262,10 +307,9 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
         say(f"started {len(procs)} processes of islands {', '.join(islands)}; logs in {logs}")
         status = _supervise(procs, timeout_s, stop, say)
     finally:
-        for p in procs:  # whatever happened above, no process outlives the launcher
-            if p.popen.poll() is None:
-                _signal_group(p.popen, signal.SIGKILL)
-                p.popen.wait()
+        for p in procs:  # whatever happened above, no process (nor a child of one) outlives the launcher
+            _signal_group(p.popen, signal.SIGKILL)
+            p.popen.wait()
         for p in procs:
             p.reader.join(timeout=5)
         for sig, handler in handlers.items():
@@ -288,7 +332,7 @@ def _check_platforms(cfg: Config, stand_in: str) -> None:
 
 def _supervise(procs: list[Process], timeout_s: float, stop: list, say) -> int:
     """Waits for the job; on the first failure (or a signal to the launcher) stops the rest."""
-    failed, deadline, seen = None, None, set()
+    failed, deadline, seen, stopping = None, None, set(), False
 
     def look():
         nonlocal failed, deadline
@@ -297,21 +341,30 @@ def _supervise(procs: list[Process], timeout_s: float, stop: list, say) -> int:
             if code is None or p.settings.tag in seen:
                 continue
             seen.add(p.settings.tag)
-            if failed is None and code:
+            if failed is None and code and not stopping:
                 failed = (p, code)
                 say(f"island {p.settings.island} rank {p.settings.process_id} exited with "
                     f"{_status(code)}; the other processes get {timeout_s:g}s to stop")
                 deadline = time.monotonic() + timeout_s
+            elif stopping:
+                say(f"{p.settings.tag} stopped with {_status(code)}")
             elif failed is not None:
                 say(f"{p.settings.tag} stopped by itself with {_status(code)}")
 
     while any(p.popen.poll() is None for p in procs):
         look()
-        if stop and deadline is None:
-            say(f"got signal {stop[0]}: stopping the job (SIGTERM to every process)")
+        if stop and not stopping:  # after a failure too: the user wants it over now
+            stopping = True
+            say(f"got signal {stop[0]}: stopping the job (SIGTERM to every process; a second signal kills)")
             for p in procs:
                 _signal_group(p.popen, signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
+            deadline = min(deadline or math.inf, time.monotonic() + timeout_s)
+        if len(stop) > 1:
+            say(f"got signal {stop[1]} too: SIGKILL to every process")
+            for p in procs:
+                _signal_group(p.popen, signal.SIGKILL)
+            seen.update(p.settings.tag for p in procs)
+            break
         if deadline is not None and time.monotonic() > deadline:
             _terminate(procs, say)
             seen.update(p.settings.tag for p in procs)

@@ -5,9 +5,11 @@ import dataclasses
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -119,6 +121,19 @@ def test_process_environment_gives_each_process_its_devices(cfg_path):
     real = dataclasses.replace(s["b:0"], stand_in="")  # no stand-in: the island's ROCm
     env = local.process_env(real, b, 3, {})
     assert env["HIP_VISIBLE_DEVICES"] == "3,4" and env["JAX_PLATFORMS"] == "rocm"
+    # The GPUs the launcher was given (a SLURM allocation, CUDA_VISIBLE_DEVICES=4,5,6,7): slices of them.
+    env = local.process_env(real, b, 2, {"HIP_VISIBLE_DEVICES": "4,5,6,7"})
+    assert env["HIP_VISIBLE_DEVICES"] == "6,7"
+    with pytest.raises(ConfigError, match="HIP_VISIBLE_DEVICES=4,5 gives this job 2 GPUs, but its processes need "
+                                          "at least 4"):
+        local.process_env(real, b, 2, {"HIP_VISIBLE_DEVICES": "4,5"})
+
+
+def test_the_job_s_ports_lie_below_the_kernel_s_ephemeral_range():
+    low = local._ephemeral_low()
+    assert 1024 < low <= 65535
+    for base in local.free_ports(5, span=4):
+        assert local._LOWEST_PORT <= base and base + 4 <= low
 
 
 def test_bad_launcher_input_is_refused_before_anything_starts(cfg_path, tmp_path):
@@ -180,7 +195,8 @@ def test_a_job_of_dummy_processes_runs_with_prefixed_output_and_log_files(cfg_pa
         assert want in lines
         assert f"[{tag}] to stderr" in lines
         log = (tmp_path / "run" / "logs" / f"{tag.replace(':', '-')}.log").read_text().splitlines()
-        assert sorted(log) == sorted([want.removeprefix(f"[{tag}] "), "to stderr"])
+        assert log[0].startswith("----- launch.local: this process started at ")
+        assert sorted(log[1:]) == sorted([want.removeprefix(f"[{tag}] "), "to stderr"])
 
 
 def test_one_failing_process_stops_the_whole_job_within_the_timeout(cfg_path, monkeypatch):
@@ -195,6 +211,107 @@ def test_one_failing_process_stops_the_whole_job_within_the_timeout(cfg_path, mo
     assert "[launch] island b rank 0 exited with 3" in text
     assert "a:1 ignored SIGTERM; SIGKILL" in text
     assert took < 15, took  # start + 0.5 s + timeout_s=1 + grace 0.5, far below the sleepers' 60 s
+
+
+# Each process starts a grandchild that would outlive it, prints its pid, and a:0 exits 3.
+ORPHANS = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from hetjax import cli, config
+    from hetjax.hetero import scheduler
+    args = cli.parse_command_line(sys.argv[1:])
+    s = scheduler.from_env(os.environ, config.load(args.config, args.overrides))
+    if os.environ.get("IGNORE_TERM"):
+        import signal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    print("grandchild", child.pid, flush=True)
+    for i in range(int(os.environ.get("LINES", "0"))):
+        print("line", i, flush=True)
+    if s.tag == "a:0":
+        time.sleep(0.5)
+        sys.exit(3)
+    time.sleep(300)
+""")
+QUIET_ORPHANS = ORPHANS.replace('if s.tag == "a:0":', 'if False:')  # no process fails
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
+    return status not in ("Z", "X")  # a zombie (not yet reaped by init) is dead
+
+
+def _grandchildren(text: str) -> list[int]:
+    return [int(line.split()[-1]) for line in text.splitlines() if " grandchild " in line]
+
+
+def test_no_grandchild_outlives_the_launcher_even_when_its_parent_exited_first(cfg_path):
+    out = io.StringIO()
+    code = local.run(cfg_path, stand_in="cpu", timeout_s=1.0, command=[sys.executable, "-c", ORPHANS], out=out)
+    assert code == 3, out.getvalue()
+    pids = _grandchildren(out.getvalue())
+    assert len(pids) == 3, out.getvalue()
+    time.sleep(0.2)
+    assert not [pid for pid in pids if _alive(pid)], out.getvalue()  # a:0's too, whose parent had exited
+
+
+class _ClosedTerminal(io.StringIO):
+    """An echo that breaks after a few lines, as `launch.local ... | head` does."""
+
+    def write(self, text):
+        if self.tell() > 300:
+            raise BrokenPipeError(32, "Broken pipe")
+        return super().write(text)
+
+
+def test_a_broken_echo_or_hook_neither_hangs_the_job_nor_cuts_the_logs(cfg_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("LINES", "3000")  # far more than a pipe holds: an unread pipe would block the process
+    def hook(proc, line):
+        raise RuntimeError("a broken watchdog")
+    t0 = time.monotonic()
+    code = local.run(cfg_path, stand_in="cpu", timeout_s=1.0, command=[sys.executable, "-c", ORPHANS],
+                     out=_ClosedTerminal(), on_line=hook)
+    assert code == 3 and time.monotonic() - t0 < 30
+    log = (tmp_path / "run" / "logs" / "a-0.log").read_text()
+    assert "line 2999" in log and "stopped echoing this output (BrokenPipeError" in log
+    assert "the on_line hook failed and is off (RuntimeError('a broken watchdog'))" in log
+
+
+@pytest.mark.parametrize("signals,ignore", [((signal.SIGHUP,), ""), ((signal.SIGINT, signal.SIGINT), "1")])
+def test_a_closed_terminal_stops_the_job_and_a_second_signal_kills_it(cfg_path, monkeypatch, signals, ignore):
+    """SIGHUP (a closed ssh session) stops the job as SIGTERM does; a second signal does not
+    wait for processes that ignore SIGTERM to time out."""
+    monkeypatch.setenv("IGNORE_TERM", ignore)
+    out = io.StringIO()
+    started, seen = threading.Event(), set()
+
+    def hook(proc, line):
+        if line.startswith("grandchild"):
+            seen.add(proc.settings.tag)
+            if len(seen) == 3:  # every process is past its SIGTERM setting
+                started.set()
+
+    def send():
+        started.wait(60)
+        for sig in signals:
+            os.kill(os.getpid(), sig)
+            time.sleep(0.5)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    t0 = time.monotonic()
+    status = local.run(cfg_path, stand_in="cpu", timeout_s=60.0, command=[sys.executable, "-c", QUIET_ORPHANS],
+                       out=out, on_line=hook)
+    sender.join()
+    text = out.getvalue()
+    assert status == 128 + signals[0], text
+    assert time.monotonic() - t0 < 40, text  # not the 60 s the processes would be given
+    assert f"got signal {signals[0]}: stopping the job" in text
+    time.sleep(0.2)
+    assert not [pid for pid in _grandchildren(text) if _alive(pid)], text
 
 
 # A jax workload: each island is a real jax.distributed world (gloo inside it) that sums

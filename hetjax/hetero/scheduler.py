@@ -56,7 +56,8 @@ K8S_POD_INDEX = "JOB_COMPLETION_INDEX"  # set by Kubernetes in every pod of an I
 
 DEFAULT_PORT = 8476
 # SLURM: the job's span of ports (blocks on its busiest node) number job id % (10000 // span)
-# from 20000: jobs sharing a node differ, and all stay below Linux's ephemeral ports.
+# from 20000: jobs of one span whose ids are under 10000 // span apart differ (others may
+# collide on a shared node: HETJAX_PORT), and all stay below Linux's ephemeral ports.
 _SLURM_PORTS = (20000, 10000)
 
 
