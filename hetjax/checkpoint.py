@@ -128,10 +128,11 @@ class Manager:
     on: see keep_from()), and restores the latest checkpoint that verifies."""
 
     def __init__(self, directory: str | Path, cfg: CheckpointConfig = CheckpointConfig(),
-                 read_only: bool = False, keep_from: int | None = None):
+                 read_only: bool = False, keep_from: int | None = None, keep_all: bool = False):
+        """keep_all: delete no step (a directory that a tool writes into, not a run's own)."""
         self.directory = Path(directory).absolute()
         self.cfg = cfg
-        policies = [keep_policy.LatestN(n=cfg.keep)]
+        policies = [keep_policy.PreserveAll() if keep_all else keep_policy.LatestN(n=cfg.keep)]
         if cfg.keep_every:
             policies.append(keep_policy.EveryNSteps(cfg.keep_every))
         # orbax reads it in our orbax thread, as it takes a save over (once the previous one
@@ -314,6 +315,9 @@ class Manager:
         where = self.where(step)
         small = self.read_json(step, "meta", *json_items)
         check_shapes(self._item_metadata(step, "params", where), arrays["params"][0], where, small.get("config"))
+        if "opt_state" in arrays:
+            check_optimizer(self._item_metadata(step, "opt_state", where), arrays["opt_state"][0], where,
+                            small.get("config"))
         try:
             loaded = self._manager.restore(step, args=ocp.args.Composite(
                 **{k: ocp.args.StandardRestore(aot.abstract(a, s)) for k, (a, s) in arrays.items()}))
@@ -358,10 +362,7 @@ def params_checksum_of(meta: dict) -> str:
 
 def check_shapes(saved_tree, abstract, where: str, saved_config: dict | None = None) -> None:
     """Raises ConfigError naming the first parameter whose saved shape differs."""
-    saved_tree = getattr(saved_tree, "tree", saved_tree)  # orbax's TreeMetadata
-    saved = {path_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(
-        saved_tree, is_leaf=lambda x: hasattr(x, "shape"))[0] if hasattr(m, "shape")}
-    wanted = {path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    saved, wanted = _shapes(saved_tree), _shapes(abstract)
     hint = ""
     if saved_config and "model" in saved_config:
         hint = f" The checkpoint was written with model config {saved_config['model']}."
@@ -376,6 +377,29 @@ def check_shapes(saved_tree, abstract, where: str, saved_config: dict | None = N
             raise ConfigError(f"{where}: parameter {name!r} has shape {saved[name]} there but "
                               f"{wanted[name]} in this config; set config.model to match the "
                               f"checkpoint.{hint}")
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    """Array name -> shape, of arrays, abstract ones, or orbax's saved metadata."""
+    tree = getattr(tree, "tree", tree)  # orbax's TreeMetadata
+    return {path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: hasattr(x, "shape"))[0] if hasattr(x, "shape")}
+
+
+def check_optimizer(saved_tree, abstract, where: str, saved_config: dict | None = None) -> None:
+    """Raises ConfigError when the saved optimizer state has other parts than this config's
+    optimizer makes (config.optim changed, e.g. clipping turned on or off): orbax would
+    fail to read it, and a sound checkpoint must not pass for a damaged one."""
+    saved, wanted = _shapes(saved_tree), _shapes(abstract)
+    if saved == wanted:
+        return
+    first = sorted(set(saved) ^ set(wanted)) or sorted(k for k in saved if saved[k] != wanted[k])
+    was = f" It was written with config.optim {saved_config['optim']}." if saved_config and "optim" in saved_config else ""
+    raise ConfigError(
+        f"{where}: its optimizer state ({len(saved)} arrays) is not the one this config's optimizer makes "
+        f"({len(wanted)} arrays; first difference: {first[0]!r}), so config.optim changed since it was "
+        f"written (e.g. grad_clip_norm turned on or off).{was} Set config.optim as it was to resume, or start "
+        f"a new run from its weights with --config.init_from and a new config.run_dir.")
 
 
 def verify(expected: dict[str, str], tree, where: str) -> None:
@@ -404,7 +428,7 @@ def find_checkpoint_dir(path: str | Path) -> tuple[Path, int | None]:
         return path / "checkpoints", None
     if (path / "params").is_dir() and path.name.isdigit():
         return path.parent, int(path.name)
-    if any(p.name.isdigit() for p in path.iterdir()):
+    if path.is_dir() and any(p.name.isdigit() for p in path.iterdir()):
         return path, None
     raise ConfigError(
         f"config.init_from={str(path)!r} holds no checkpoint: give a run directory, its "

@@ -384,6 +384,27 @@ def test_an_unusable_checkpoint_dir_is_a_clear_error(tmp_path):
         checkpoint.Manager(tmp_path / "file" / "ck")
 
 
+def test_a_changed_optimizer_is_a_config_error_that_moves_no_checkpoint(saved):
+    """Clipping off: optax's chain loses a part, so orbax cannot read the saved optimizer
+    state; that is the config's doing, not damage, and the checkpoints stay where they are."""
+    other = dataclasses.replace(CFG, optim=dataclasses.replace(CFG.optim, grad_clip_norm=0.0))
+    abstract, shardings = abstract_for(MeshConfig(fsdp=8), 8, other)
+    moved = []
+    with pytest.raises(ConfigError, match=r"checkpoint step 4 .* its optimizer state \(\d+ arrays\) is not the "
+                                          r"one this config's optimizer makes .*config.optim changed"):
+        checkpoint.Manager(saved[0], read_only=True).restore_latest(abstract, shardings, log=moved.append)
+    assert not moved and (saved[0] / "4").is_dir() and (saved[0] / "2").is_dir()
+
+
+def test_a_tool_writing_into_a_checkpoint_directory_deletes_no_step(tmp_path):
+    from hetjax.hetero import checkpoints as island_checkpoints
+    cfg = dataclasses.replace(CFG, checkpoint=dataclasses.replace(CFG.checkpoint, keep=2))
+    state = save_state(tmp_path / "ck", MeshConfig(fsdp=8), 8, steps=(10, 20), cfg=cfg, keep=2)
+    for step in (30, 5):
+        island_checkpoints.save_state(cfg, state, {"step": step}, tmp_path / "ck", step)
+    assert checkpoint.Manager(tmp_path / "ck", read_only=True).steps() == [5, 10, 20, 30]
+
+
 def test_init_from_starts_a_new_run_from_saved_weights(tmp_path, saved):
     m = CFG.model
     args = ["--config", "tiny.py", "--config.steps=1", "--config.eval_every=0", "--config.tensorboard=false",
@@ -406,6 +427,9 @@ def test_init_from_starts_a_new_run_from_saved_weights(tmp_path, saved):
     assert counts and set(counts) == {1}  # a fresh optimizer: one update
     with pytest.raises(ConfigError, match="config.init_from"):
         train.main([*args, f"--config.run_dir={tmp_path / 'c'}", f"--config.init_from={tmp_path / 'nope'}"])
+    (tmp_path / "model.safetensors").write_bytes(b"not a checkpoint directory")
+    with pytest.raises(ConfigError, match="config.init_from=.*model.safetensors' holds no checkpoint"):
+        train.main([*args, f"--config.run_dir={tmp_path / 'd'}", f"--config.init_from={tmp_path / 'model.safetensors'}"])
 
 
 def test_opening_checkpoints_read_only_logs_no_warning(tmp_path, caplog):

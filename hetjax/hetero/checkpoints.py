@@ -273,7 +273,9 @@ def save_state(cfg, state, data_state, directory, step: int) -> None:
     `directory`: a one-mesh run resumes from it (as its checkpoint.dir), and
     config.init_from reads its parameters into any layout."""
     state = jax.device_put(state, jax.devices("cpu")[0])
-    manager = checkpoint.Manager(directory, dataclasses.replace(cfg.checkpoint, async_save=False))
+    # keep_all: the directory may hold steps written before (or a run's checkpoints/), and
+    # writing one more must not delete any of them under config.checkpoint.keep.
+    manager = checkpoint.Manager(directory, dataclasses.replace(cfg.checkpoint, async_save=False), keep_all=True)
     try:
         manager.save(step, state, data_state or {}, to_dict(one_mesh_config(cfg)))
         manager.wait()
