@@ -60,8 +60,15 @@ def test_the_text_index_is_cached_and_rebuilt_when_the_file_changes(tmp_path):
     assert len(list((tmp_path / "ix").glob("*.npz"))) == 1
     again = sources.TextSource(str(f), "jsonl", tokenizers.ByteTokenizer(), index_dir=str(tmp_path / "ix"))
     assert again.fingerprint == src.fingerprint
-    write_jsonl(f, TEXT[:3])
-    changed = sources.TextSource(str(f), "jsonl", tokenizers.ByteTokenizer(), index_dir=str(tmp_path / "ix"))
+    # Touched, or moved elsewhere: a new index, but the same data, so a resume goes on.
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    moved = tmp_path / "elsewhere" / "corpus.jsonl"
+    moved.parent.mkdir()
+    f.rename(moved)
+    again = sources.TextSource(str(moved), "jsonl", tokenizers.ByteTokenizer(), index_dir=str(tmp_path / "ix"))
+    assert len(list((tmp_path / "ix").glob("*.npz"))) == 2 and again.fingerprint == src.fingerprint
+    write_jsonl(moved, TEXT[:3])
+    changed = sources.TextSource(str(moved), "jsonl", tokenizers.ByteTokenizer(), index_dir=str(tmp_path / "ix"))
     assert len(changed) == 3 and changed.fingerprint != src.fingerprint
 
 

@@ -123,15 +123,19 @@ class TextSource:
         self.fmt, self.field, self.tokenizer = fmt, field, tokenizer
         self.bos_id, self.vocab_size = tokenizer.bos_id, tokenizer.vocab_size
         self.conventions = tokenizer  # its BOS/EOS (tokenizers.specials)
+        # The index cache is found by where the files are and when they changed (cheap to
+        # check); the data's fingerprint, which a resume compares, by what they hold: a
+        # corpus copied, moved or touched resumes, one edited does not.
+        options = [fmt, field, skip_bad, tokenizer.fingerprint]
         stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in self.files]
-        key = hashlib.sha256(json.dumps([stats, fmt, field, skip_bad, tokenizer.fingerprint]).encode()).hexdigest()[:20]
-        self.fingerprint = f"{fmt}:{key}"
+        key = hashlib.sha256(json.dumps([stats, *options]).encode()).hexdigest()[:20]
         cache = Path(index_dir or Path(self.files[0]).parent / ".hetjax-index") / f"{key}.npz"
-        if cache.is_file():
-            index = dict(np.load(cache))
-        else:
+        index = dict(np.load(cache)) if cache.is_file() else {}
+        if "sha256" not in index:  # none, or cached before the contents' digests were kept
             index = self._build_index(skip_bad)
             _save_atomic(cache, index)
+        content = hashlib.sha256(json.dumps([[str(h) for h in index["sha256"]], *options]).encode())
+        self.fingerprint = f"{fmt}:{content.hexdigest()[:20]}"
         self.file_ids, self.offsets, self.sizes = index["file_id"], index["offset"], index["size"]
         self.lengths = index["tokens"]
         self.skipped = int(index["skipped"])
@@ -160,8 +164,12 @@ class TextSource:
         if skipped:
             print(f"skipped {len(skipped)} bad line(s) in total", flush=True)
         cols = np.asarray(rows, np.int64).reshape(-1, 4)
+        digests = []
+        for f in self.files:
+            with open(f, "rb") as handle:
+                digests.append(hashlib.file_digest(handle, "sha256").hexdigest())
         return {"file_id": cols[:, 0], "offset": cols[:, 1], "size": cols[:, 2], "tokens": cols[:, 3],
-                "skipped": np.int64(len(skipped))}
+                "skipped": np.int64(len(skipped)), "sha256": np.asarray(digests)}
 
     def __getstate__(self):  # open files stay in their process
         return {**self.__dict__, "_handles": {}}
