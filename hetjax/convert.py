@@ -92,6 +92,7 @@ def hf_config_from_model(m: ModelConfig, dtype: str, base: dict | None = None) -
         intermediate_size=m.mlp_dim, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
         head_dim=m.head_dim, hidden_act="silu", rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
         rope_parameters=rope, dtype=dtype)
+    out.pop("torch_dtype", None)  # the source's; older readers would take it over `dtype`
     out.pop("rope_scaling", None)
     out.pop("rope_theta", None)
     out.setdefault("max_position_embeddings", m.rope_original_max_length)
@@ -247,15 +248,45 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes
     shutil.rmtree(staging, ignore_errors=True)  # ours: an export that died midway
     try:
         paths = safetensors_io.write_dir(staging, specs, tensors(), max_shard_bytes)
-        hf = hf_config_from_model(m, dtype, small.meta.get("hf_config"))
+        hf = hf_config_from_model(m, dtype, _base_hf_config(directory, small, log))
         (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    for name in sorted((p.name for p in staging.iterdir()), key=lambda n: n == "config.json"):
+    new = {p.name for p in staging.iterdir()}
+    # An earlier export's weights that this one does not overwrite would be read instead of
+    # it: transformers takes model.safetensors before an index, hetjax an index first.
+    for old in [out_dir / safetensors_io.INDEX, *out_dir.glob("model*.safetensors")]:
+        if old.name not in new and old.is_file():
+            old.unlink()
+    for name in sorted(new, key=lambda n: n == "config.json"):
         (staging / name).replace(out_dir / name)
     staging.rmdir()
     return [out_dir / p.name for p in paths]
+
+
+def _base_hf_config(directory: Path, small, log, hops: int = 4) -> dict | None:
+    """The Hugging Face config this checkpoint's weights came from: the imported step keeps
+    it, and a run started from it (config.init_from, followed back) inherits its token ids
+    and context length. None, with a warning, when there is none."""
+    meta, run = small.meta, small.config or {}
+    while meta.get("hf_config") is None and run.get("init_from") and hops:
+        hops -= 1
+        try:
+            source, step = checkpoint.find_checkpoint_dir(run["init_from"])
+            manager = checkpoint.Manager(source, read_only=True)
+            try:
+                found = manager.read_json(max(manager.steps()) if step is None else step, "meta", "config")
+            finally:
+                manager.close()
+        except (ConfigError, checkpoint.CorruptCheckpoint, ValueError):  # moved away since
+            break
+        meta, run = found.meta, found.config or {}
+    if meta.get("hf_config") is None:
+        log(f"warning: no Hugging Face config found for {directory} (neither it nor its config.init_from "
+            f"chain was imported with `hetjax.convert import`); config.json gets transformers' defaults for "
+            f"the token ids (bos, eos) and max_position_embeddings: check them before serving the model")
+    return meta.get("hf_config")
 
 
 def _leaf(tree, path):

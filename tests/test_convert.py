@@ -114,6 +114,50 @@ def test_relative_paths_work_and_a_failed_export_leaves_nothing_complete(tmp_pat
     assert list((tmp_path / "out2").iterdir()) == []
 
 
+def test_exporting_again_into_a_directory_leaves_no_stale_weights(tmp_path):
+    """transformers reads model.safetensors before an index, hetjax an index first: an
+    earlier export's file that the new one does not overwrite would be loaded instead."""
+    model = hf_model("qwen2", tmp_path / "hf")
+    convert.import_hf(tmp_path / "hf", tmp_path / "ck", log=lambda _: None)
+    out = tmp_path / "out"
+    for shard in (5 * 2**30, 20_000, 5 * 2**30):  # one file, then shards, then one file again
+        convert.export_hf(tmp_path / "ck", out, max_shard_bytes=shard, log=lambda _: None)
+        files = sorted(p.name for p in out.iterdir())
+        assert files == (["config.json", "model.safetensors"] if shard > 10**6 else
+                         ["config.json", *sorted(p.name for p in out.glob("model-*-of-*.safetensors")),
+                          safetensors_io.INDEX]), files
+        if shard < 10**6:
+            assert len(files) > 3
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+
+
+def test_a_run_started_from_imported_weights_exports_the_original_token_ids(tmp_path, monkeypatch):
+    from hetjax import train
+    hf_model("qwen2", tmp_path / "hf")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    hf.update(bos_token_id=5, eos_token_id=[6, 7], max_position_embeddings=131072)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf))
+    monkeypatch.chdir(tmp_path)
+    assert convert.main(["import", "hf", "imported"]) == 0
+    model = {"vocab_size": 64, "num_layers": 2, "embed_dim": 32, "mlp_dim": 48, "num_heads": 4, "num_kv_heads": 2,
+             "head_dim": 8, "qkv_bias": True, "tie_embeddings": True, "rope_theta": 1e6}
+    assert train.main(["--config", "tiny.py", "--config.steps=1", "--config.eval_every=0", "--config.tensorboard=false",
+                       "--config.run_dir=run", "--config.init_from=imported", "--config.data.branching=4",
+                       *[f"--config.model.{k}={v}" for k, v in model.items()]]) == 0
+    logged = []
+    convert.export_hf(tmp_path / "run", tmp_path / "out", log=logged.append)
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (out["bos_token_id"], out["eos_token_id"], out["max_position_embeddings"]) == (5, [6, 7], 131072)
+    assert not [line for line in logged if "no Hugging Face config" in line]
+    # A run with no imported ancestor says so.
+    assert train.main(["--config", "tiny.py", "--config.steps=1", "--config.eval_every=0", "--config.tensorboard=false",
+                       "--config.run_dir=scratch", "--config.data.branching=4",
+                       *[f"--config.model.{k}={v}" for k, v in model.items()]]) == 0
+    convert.export_hf(tmp_path / "scratch", tmp_path / "out2", log=logged.append)
+    assert [line for line in logged if "no Hugging Face config found" in line]
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("model_type", "mistral", "model_type='mistral'"),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "rope_scaling.rope_type='yarn'"),

@@ -116,7 +116,7 @@ def read_manifest(out_dir) -> dict:
 
 def check(manifest: dict, cfg, mesh, platform: str | None = None) -> None:
     """Raises ArtifactMismatch unless the artifact fits this jax, platform, mesh and config."""
-    platform = platform or jax.default_backend()
+    platform = platform or jax.export.default_export_platform()  # cuda or rocm, where default_backend() says gpu
     again = "re-export with python -m hetjax.compile for this setup"
     if manifest["jax_version"] != jax.__version__:
         raise ArtifactMismatch(
