@@ -19,7 +19,6 @@ the data-sheet peak is printed above it when the device is in the hardware table
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import sys
 import time
@@ -89,7 +88,7 @@ def main(argv: list[str]) -> int:
     train_step, state = prog.compile_train_step(), prog.init_state()
     dataset = data.build(cfg)
     batches = [dataset.batch(s, prog.batch_shardings) for s in range(4)]
-    num_params = sum(math.prod(l.shape) for l in prog.layouts)
+    num_params = metrics.num_params(cfg.model)  # not prog.layouts: a pipeline's hold padding
     flops_per_step = metrics.model_flops_per_token(cfg, num_params) * cfg.batch_size * cfg.seq_len
     device = jax.local_devices()[0]
     print(f"{cfg.name}: {num_params / 1e9:.3f} B parameters, batch {cfg.batch_size} x {cfg.seq_len}, "

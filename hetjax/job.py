@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 import time
@@ -140,7 +139,7 @@ class MeshJob:
         prog = program.build(cfg, mesh)  # checks that the model splits over the mesh
         self.batch_shardings = prog.batch_shardings
         replicated = sharding.check_replication(prog.layouts, mesh, cfg.sharding.max_replicated_fraction)
-        self.num_params = sum(math.prod(l.shape) for l in prog.layouts)
+        self.num_params = metrics.num_params(cfg.model)  # not prog.layouts: a pipeline's hold padding
         estimate = memory.estimate(cfg, prog.layouts, mesh)
         log(f"{cfg.name}: {self.num_params:,} parameters on mesh {describe(mesh)} "
             f"({mesh.devices.flat[0].device_kind}); {replicated:.1%} of parameter bytes replicated; "

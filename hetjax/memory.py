@@ -38,35 +38,52 @@ class Estimate:
         return f"{self.total / GiB:.2f} GiB per device ({parts})"
 
 
+def _attention_scores(cfg: Config, tensor: int) -> float:
+    """Bytes per token and layer of the attention's logits and probabilities: XLA's
+    attention ("auto" is XLA too) holds a row of seq_len logits per head and query in
+    fp32 whatever the compute dtype, and the probabilities at the compute width; cuDNN's
+    fused kernel keeps neither."""
+    m = cfg.model
+    if m.attention_impl == "cudnn":
+        return 0.0
+    return m.num_heads / tensor * cfg.seq_len * (4 + np.dtype(m.dtype).itemsize)
+
+
 def _activation_bytes_per_layer_token(cfg: Config, tensor: int, remat: str) -> float:
+    """Bytes one layer keeps per token for the backward pass under the policy `remat`."""
     m = cfg.model
     width = np.dtype(m.dtype).itemsize
     heads = m.num_heads * m.head_dim / tensor
     kv = 2 * m.num_kv_heads * m.head_dim / tensor
     mlp = m.mlp_dim / tensor
-    scores = 2 * m.num_heads / tensor * cfg.seq_len  # scores and probabilities, XLA attention
-    saved = {
+    scores = _attention_scores(cfg, tensor)
+    logits = scores * 4 / (4 + width)  # the fp32 part of them
+    return {
         # Everything the backward pass reads: norms, residuals, q/k/v, attention, SwiGLU.
-        "none": 5 * m.embed_dim + 2 * heads + kv + 3 * mlp + scores,
-        "dots": 2 * m.embed_dim + 2 * heads + kv + 2 * mlp,
-        "dots_no_batch": 2 * m.embed_dim + heads + kv + 2 * mlp,
-        "full": m.embed_dim,  # the layer's input only; the rest is recomputed
+        "none": (5 * m.embed_dim + 2 * heads + kv + 3 * mlp) * width + scores,
+        # Every matmul's output, the batched QK^T logits among them.
+        "dots": (2 * m.embed_dim + 2 * heads + kv + 2 * mlp) * width + logits,
+        # Unbatched matmuls only: not QK^T nor PV.
+        "dots_no_batch": (2 * m.embed_dim + heads + kv + 2 * mlp) * width,
+        "full": m.embed_dim * width,  # the layer's input only; the rest is recomputed
     }[remat]
-    return saved * width
 
 
 def estimate(cfg: Config, layouts, mesh) -> Estimate:
     """Per-device bytes of parameters, Adam's two moments, gradients and activations."""
     params = sum(l.bytes_per_device for l in layouts)
-    layer_params = sum(l.bytes_per_device for l in layouts if l.logical[0] == "layers") / cfg.model.num_layers
+    # Per layer slot of the stacked layers: a pipeline's stack has padding slots
+    # (uneven config.pipeline.stage_layers), more than config.model.num_layers.
+    layer_params = sum(l.bytes_per_device / l.shape[0] for l in layouts if l.logical[0] == "layers")
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     tensor = mesh.shape["tensor"]
     tokens = math.ceil(cfg.batch_size / cfg.optim.grad_accum_steps / batch_shards) * cfg.seq_len
     per_token_layer = _activation_bytes_per_layer_token(cfg, tensor, cfg.model.remat)
     m = cfg.model
     # One layer's full working set is live while the backward pass recomputes or
-    # consumes it, plus fp32 logits and their gradient.
-    working = _activation_bytes_per_layer_token(cfg, tensor, "none")
+    # consumes it, with the gradients of its attention logits and probabilities beside
+    # them, plus the output's fp32 logits and their gradient.
+    working = _activation_bytes_per_layer_token(cfg, tensor, "none") + _attention_scores(cfg, tensor)
     logits = 2 * 4 * m.vocab_size / tensor
     activations = tokens * (m.num_layers * per_token_layer + working + logits)
     return Estimate(

@@ -15,13 +15,22 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from hetjax import cli
+from hetjax import state as state_lib
 from hetjax.compile import hardware
 from hetjax.errors import ConfigError
 
 # Dense bf16 peak per device, FLOP/s, from the vendors' data sheets (hetjax.compile.hardware).
 PEAK_FLOPS = {name: hw.peak_flops for name, hw in hardware.TABLE.items()}
+
+
+def num_params(model_cfg) -> int:
+    """The model's parameters, counted on its abstract shapes: a pipeline's layouts hold
+    padding layer slots (uneven config.pipeline.stage_layers) that are not the model's."""
+    model = nnx.eval_shape(lambda: state_lib.make_model(model_cfg, 0))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model)))
 
 
 def model_flops_per_token(cfg, num_params: int) -> float:

@@ -5,8 +5,11 @@ halved, dashed) and, for a job over islands, each island's step and transfer tim
     python -m hetjax.plot runs/tiny runs/tiny_hetero --out curves.png
 
 A run is a run_dir of hetjax.train: its metrics.jsonl, plus those the other processes
-of an islands job wrote under RUN/islands/*/. Each file's first row is left out of the
-throughput, MFU and island panels: it carries the warm-up, which would flatten the rest.
+of an islands job wrote under RUN/islands/*/. The first step of each process's run is
+left out of the throughput, MFU and island panels: it carries the warm-up, which would
+flatten the rest. That is each file's first row, and where a run resumed in the same
+run_dir appended to it, the row marked `run_start` (or, in a file without that mark, a
+row whose step does not follow the one before).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
     train: dict[int, dict] = {}
     evals = []
     for i, path in enumerate([main, *sorted(run_dir.glob("islands/*/metrics.jsonl"))]):
-        first = True
+        previous = None  # the step of the file's last training row
         for line in path.read_text().splitlines():
             try:
                 row = json.loads(line)
@@ -41,8 +44,12 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
                 if i == 0:
                     evals.append(row)
                 continue
-            row["warmup"] = first or train.get(row["step"], {}).get("warmup", False)
-            first = False
+            # metrics.truncate keeps a file's steps increasing across a resume: a resumed
+            # run's first row is known by train.py's mark. A step that goes back (a file
+            # not truncated) starts a run too.
+            start = previous is None or row["step"] <= previous or bool(row.get("run_start"))
+            row["warmup"] = start or train.get(row["step"], {}).get("warmup", False)
+            previous = row["step"]
             train.setdefault(row["step"], {}).update(row)
     return [train[s] for s in sorted(train)], evals
 

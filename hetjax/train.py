@@ -102,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{last_finite}, so training diverged in steps {last_finite + 1}..{s}. "
                 f"Lower config.optim.learning_rate or config.optim.grad_clip_norm")
         last_finite = s
-        values.update(step_time=step_time, tokens_per_sec=values["tokens"] / step_time,
+        # tokens_per_sec counts every position of the batch, as the MFUs' FLOPs do;
+        # loss_tokens_per_sec only those the loss reads (`tokens`: the loss mask's sum).
+        values.update(step_time=step_time, tokens_per_sec=cfg.batch_size * cfg.seq_len / step_time,
+                      loss_tokens_per_sec=values["tokens"] / step_time,
                       mfu=flops_per_step / step_time / peak, mfu_maxtext=maxtext_flops / step_time / peak,
                       data_wait_time=data_waits.pop(s))
         peak_memory = metrics.peak_memory_gib(jax.local_devices())  # None on CPU: not reported
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             values["peak_memory_gib"] = peak_memory
         if dataset.floor is not None:
             values["above_floor"] = values["loss"] - dataset.floor
+        if s == start:  # this process's first step carries its warm-up (hetjax.plot leaves it out)
+            values["run_start"] = 1.0
         writer.write(s, values, echo=s % cfg.log_every == 0 or s == cfg.steps - 1)
         recorder.step(s, values, job.batch_digest(s))  # fingerprints.jsonl (hetjax/repro)
 
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         previous = None
         if recorder.due(start):
             recorder.write_params(start, job.param_fingerprint(state))
+            clock.resume(start)  # the fingerprint (and its compile) is not step time
         for s in range(start, cfg.steps):
             waited = time.perf_counter()
             batch = next(batches)
@@ -148,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             if profiler.after(s, step_metrics):
                 clock.resume(s + 1)
             if recorder.due(s + 1):
-                recorder.write_params(s + 1, job.param_fingerprint(state))
+                recorder.write_params(s + 1, job.param_fingerprint(state))  # waits for step s
+                clock.resume(s + 1)  # the fingerprint is not step time
             # Read the previous step's metrics only now, so the device is never idle
             # waiting for the host.
             flush()

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
+import socket
 import threading
 import uuid
 from concurrent import futures
@@ -27,7 +27,6 @@ from hetjax import checkpoint, repro
 from hetjax import stop as stop_lib
 from hetjax import config as config_lib
 from hetjax import metrics as metrics_lib
-from hetjax import state as state_lib
 from hetjax.compile import backend
 from hetjax.errors import ConfigError, IslandLost
 from hetjax.hetero import island as island_lib
@@ -125,6 +124,39 @@ def check_config(cfg, links: Links, mesh) -> None:
                               f"{'; '.join(diff[:5])}; start every island with the same config")
 
 
+def island_peak(cfg, devices) -> dict:
+    """An island's peak FLOP/s and its source (hetjax.metrics.peak_flops), JSON-able for
+    the exchange; `host` names the machine whose cores a measured CPU rate stands for."""
+    peak, source = metrics_lib.peak_flops(cfg, devices)
+    measured = devices[0].platform == "cpu" and cfg.peak_tflops <= 0
+    return {"peak": peak, "source": source, "host": socket.gethostname() if measured else None}
+
+
+def peak_of_job(cfg, local_devices: list[list], exchange=None) -> tuple[float, str]:
+    """The whole job's peak FLOP/s and its source, as flops_per_step is the whole job's.
+    `local_devices`: each island of this process's devices; `exchange(mine)`, in process
+    mode (one island here): every island's `mine`, in island order (gather_json)."""
+    peaks = [island_peak(cfg, devices) for devices in local_devices]
+    if exchange is not None:  # the other islands' peaks come from their own device kinds
+        peaks = exchange(peaks[0])
+    return job_peak(peaks)
+
+
+def job_peak(peaks: list[dict]) -> tuple[float, str]:
+    """The sum of every island's island_peak, with a host's measured CPU rate counted
+    once (its islands share its cores, as virtual CPU devices do in
+    metrics.peak_flops), and the sources."""
+    hosts: dict[str, float] = {}
+    total = 0.0
+    for p in peaks:
+        if p["host"] is None:
+            total += p["peak"]
+        else:
+            hosts[p["host"]] = max(hosts.get(p["host"], 0.0), p["peak"])
+    sources = " + ".join(dict.fromkeys(p["source"] for p in peaks))
+    return total + sum(hosts.values()), sources
+
+
 class Worker:
     """One island's part of the job in this process."""
 
@@ -220,7 +252,9 @@ class IslandsJob:
         self._stop = threading.Event()  # this process's request (SIGTERM)
         self._agreement = stop_lib.Agreement(self.workers[0].island.mesh)  # several processes: one island
         self.stop_requested = False  # every island's, agreed at the last step
-        self.peak, self.peak_source = metrics_lib.peak_flops(cfg, [d for k in local for d in devices[k]])
+        one = self.workers[0]  # process mode: the only one
+        self.peak, self.peak_source = peak_of_job(cfg, [devices[k] for k in local], None if settings is None else
+                                                  lambda mine: gather_json(one.links, mine, "peak", one.island.mesh))
         restored = self.checkpoints.restore_latest([w.island.abstract for w in self.workers],
                                                    [w.island.shardings for w in self.workers], log)
         if restored is not None:
@@ -395,8 +429,7 @@ class IslandsJob:
             self._each(lambda w, end: end(), ends)
 
     def flops_per_step(self) -> float:
-        model = nnx.eval_shape(lambda: state_lib.make_model(self.cfg.model, self.cfg.seed))
-        num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model)))
+        num_params = metrics_lib.num_params(self.cfg.model)
         return metrics_lib.model_flops_per_token(self.cfg, num_params) * self.cfg.batch_size * self.cfg.seq_len
 
     def close(self) -> None:

@@ -1,0 +1,171 @@
+"""What the per-step figures count: the parameters and FLOPs of the model itself, the
+whole job's peak, step times without the loop's pauses, both token rates, which rows
+carry a warm-up, and the activation bytes the memory check expects."""
+
+import dataclasses
+import json
+import time
+
+import jax
+import pytest
+
+from hetjax import config as config_lib
+from hetjax import memory, metrics, plot, program
+from hetjax.compile import hardware
+from hetjax.hetero import job as hetero_job
+from hetjax.mesh import make_mesh
+
+
+def tiny(**model):
+    cfg = config_lib.load("tiny")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
+
+
+def tiny_params_by_hand(layers: int) -> int:
+    """tiny's parameters (embed 64, mlp 192, 4 heads and 2 kv heads of 16, vocab 256)."""
+    q = o = 64 * 4 * 16
+    k = v = 64 * 2 * 16
+    per_layer = q + k + v + o + 3 * 64 * 192 + 2 * 64  # attention, SwiGLU, two norm scales
+    return layers * per_layer + 2 * 256 * 64 + 64  # embedding, output head, final norm
+
+
+# -- a pipeline's padding layers are not the model's --------------------------------------
+
+
+@pytest.mark.parametrize("stage_layers", [(), (3, 1)])
+def test_uneven_pipeline_stages_count_the_models_parameters_and_flops_not_their_padding(
+        stage_layers, monkeypatch):
+    from hetjax.job import MeshJob
+    # (3, 1) pads the 4 layers to 3 slots per stage: 6 in the stacked parameters.
+    cfg = tiny(num_layers=4)
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, pipeline=2),
+                              pipeline=dataclasses.replace(cfg.pipeline, stage_layers=stage_layers))
+    config_lib.validate(cfg)
+    mesh = make_mesh(cfg.mesh)
+    prog = program.build(cfg, mesh)
+    slots = {l.shape[0] for l in prog.layouts if l.logical[0] == "layers"}
+    assert slots == {6 if stage_layers else 4}
+    monkeypatch.setattr(program.Program, "compile_train_step", lambda self: None)  # counting only
+    job = MeshJob(cfg, None, compile_only=True, log=lambda line: None)
+    assert job.num_params == tiny_params_by_hand(4)
+    lookup = 256 * 64
+    attention = 12 * 4 * 4 * 16 * cfg.seq_len
+    assert job.flops_per_step() == (6 * (tiny_params_by_hand(4) - lookup) + attention) * cfg.batch_size * cfg.seq_len
+    # The memory check's "one more layer" hint: one slot's bytes per device, padding or not.
+    unpadded = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, stage_layers=()))
+    assert (memory.estimate(cfg, prog.layouts, mesh).per_layer
+            == memory.estimate(unpadded, program.build(unpadded, mesh).layouts, mesh).per_layer)
+
+
+# -- islands as separate processes: MFU over the whole job's peak --------------------------
+
+
+class Device:
+    def __init__(self, kind: str, platform: str = "gpu"):
+        self.device_kind, self.platform = kind, platform
+
+
+def islands_mfus(cfg, island_devices: list[list]) -> tuple[float, list[float]]:
+    """The MFU of a 1-second step of 1e15 FLOPs (the whole job's, in either mode) over
+    hetero.job's peak: (virtual islands', [each island process's]). A process holds one
+    island; the links' exchange (simulated) brings each other island's own peak."""
+    virtual, _ = hetero_job.peak_of_job(cfg, island_devices)
+    processes = []
+    for k, mine in enumerate(island_devices):
+        def exchange(value, k=k):
+            return [value if j == k else hetero_job.island_peak(cfg, devices)
+                    for j, devices in enumerate(island_devices)]
+        processes.append(1e15 / hetero_job.peak_of_job(cfg, [mine], exchange)[0])
+    return 1e15 / virtual, processes
+
+
+def test_island_processes_measure_mfu_against_the_whole_jobs_peak_as_virtual_islands_do(monkeypatch):
+    cfg = dataclasses.replace(config_lib.load("tiny_hetero"), peak_tflops=2.0)
+    cpus = jax.devices()
+    virtual, processes = islands_mfus(cfg, [cpus[:2], cpus[2:8]])
+    assert virtual == pytest.approx(1e15 / (2e12 * 8))  # config.peak_tflops for each of 8 devices
+    assert processes == pytest.approx([virtual, virtual])
+
+    # Islands of different device kinds, each peak from its own data sheet.
+    cfg = config_lib.load("tiny_hetero")
+    h100, mi300x = [Device("NVIDIA H100 80GB HBM3")] * 4, [Device("AMD Instinct MI300X", "rocm")] * 2
+    virtual, processes = islands_mfus(cfg, [h100, mi300x])
+    sheets = 4 * hardware.TABLE["H100"].peak_flops + 2 * hardware.TABLE["MI300X"].peak_flops
+    assert virtual == pytest.approx(1e15 / sheets)
+    assert processes == pytest.approx([virtual, virtual])
+
+    # CPU islands on one host share its cores: its measured rate is the whole peak, as
+    # it is for one mesh of virtual CPU devices.
+    monkeypatch.setattr(metrics, "measure_cpu_matmul_flops", lambda: 1e11)
+    virtual, processes = islands_mfus(cfg, [cpus[:2], cpus[2:4]])
+    assert virtual == pytest.approx(1e15 / metrics.peak_flops(cfg, cpus[:4])[0]) == pytest.approx(1e4)
+    assert processes == pytest.approx([virtual, virtual])
+    on_two_hosts = [{"peak": 1e11, "source": "measured", "host": h} for h in ("a", "b", "b")]
+    assert hetero_job.job_peak(on_two_hosts)[0] == 2e11
+
+
+# -- the activation estimate against XLA's own figure ---------------------------------------
+
+
+@pytest.mark.parametrize("remat", ["dots", "none"])
+def test_the_activation_estimate_follows_xlas_temp_bytes_as_the_sequence_grows(remat):
+    # XLA's attention keeps (batch, heads, T, T) logits in fp32; under remat="dots" they
+    # are saved for every layer, so the estimate must grow with T as the compiled step does.
+    # (fp32 only: what XLA:CPU keeps of a bf16 program is not what a GPU keeps.)
+    for seq_len in (128, 512):
+        cfg = dataclasses.replace(tiny(num_heads=8, remat=remat, attention_impl="xla"), batch_size=2,
+                                  seq_len=seq_len, mesh=dataclasses.replace(config_lib.load("tiny").mesh, fsdp=1))
+        mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+        prog = program.build(cfg, mesh)
+        est = memory.estimate(cfg, prog.layouts, mesh)
+        temp = prog.compile_train_step().memory_analysis().temp_size_in_bytes  # gradients and activations
+        assert est.activations + est.gradients == pytest.approx(temp, rel=0.15), (seq_len, temp)
+
+
+# -- one run, resumed: step times, token rates and warm-up rows ----------------------------
+
+
+SLOW = 1.5  # seconds each parameter fingerprint takes here; a warm-up step of tiny takes ~0.6
+
+
+def test_step_times_leave_out_fingerprints_and_a_resumed_runs_first_step_is_its_warmup(tmp_path, monkeypatch):
+    from hetjax import job as job_lib, train
+    fingerprint = job_lib.MeshJob.param_fingerprint
+
+    def slow_fingerprint(self, state):
+        time.sleep(SLOW)
+        return fingerprint(self, state)
+    monkeypatch.setattr(job_lib.MeshJob, "param_fingerprint", slow_fingerprint)
+    run_dir = tmp_path / "run"
+    args = ["--config", "tiny", f"--config.run_dir={run_dir}", "--config.eval_every=0", "--config.tensorboard=false",
+            "--config.checkpoint.every=0", "--config.model.num_layers=1", "--config.fingerprint_every=1"]
+    assert train.main([*args, "--config.steps=3"]) == 0
+    assert train.main([*args, "--config.steps=5"]) == 0  # resumes from its checkpoint of step 3
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    fingerprinted = [json.loads(line)["step"] for line in (run_dir / "fingerprints.jsonl").read_text().splitlines()
+                     if json.loads(line)["kind"] == "params"]
+    assert set(fingerprinted) == {0, 1, 2, 3, 4, 5}  # one before every step
+    cfg = config_lib.load("tiny")
+    for r in rows:
+        assert r["step_time"] < SLOW, r  # a fingerprint before every step, in none of them
+        # Every position of the batch (what the MFUs count), and the positions the loss reads.
+        assert r["tokens_per_sec"] == pytest.approx(cfg.batch_size * cfg.seq_len / r["step_time"], rel=1e-6)
+        assert r["loss_tokens_per_sec"] == pytest.approx(r["tokens"] / r["step_time"], rel=1e-6)  # fp32
+        assert 0 < r["tokens"] < cfg.batch_size * cfg.seq_len  # the loss mask leaves some out
+    # The first step of each start carries its warm-up; plot leaves exactly those out.
+    assert [r["step"] for r in rows if r.get("run_start")] == [0, 3]
+    assert [r["warmup"] for r in plot.read_metrics(run_dir)[0]] == [True, False, False, True, False]
+
+
+def test_plot_flags_the_first_row_of_every_run_a_file_holds(tmp_path):
+    def row(step, **extra):
+        return {"step": step, "loss": 1.0, "step_time": 0.1, "tokens_per_sec": 1.0, "mfu": 0.1, **extra}
+    first, resumed = [row(0, run_start=1.0), row(1), row(2)], [row(3, run_start=1.0), row(4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*first, *resumed]))
+    assert [r["warmup"] for r in plot.read_metrics(tmp_path)[0]] == [True, False, False, True, False]
+    # A file without the marks (older runs): a step that does not follow the one before
+    # starts a run; its rows of one step are merged, the restarted one's warm-up kept.
+    unmarked = [{k: v for k, v in r.items() if k != "run_start"} for r in [*first, row(2), row(3)]]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in unmarked))
+    assert [r["warmup"] for r in plot.read_metrics(tmp_path)[0]] == [True, False, True, False]
