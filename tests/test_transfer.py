@@ -215,6 +215,31 @@ def test_wrong_shape_dtype_or_tag_is_refused():
     a.close(), b.close()
 
 
+@pytest.mark.parametrize("backend", ["local", "host", "direct"])
+def test_a_receive_posted_early_is_timed_from_its_wait_not_its_post(backend):
+    """A pipeline posts a step's receives when the step starts and waits for the last ones
+    much later: the time in between is not the peer's silence."""
+    a, b = endpoints(backend, timeout_s=0.5)
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))
+    x = random_array((8, 4), "int32", 8, sh)
+    try:
+        r = b.recv("late", jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), sh, peers={0: a.addresses})
+        time.sleep(1.5)  # three timeouts of compute; the message leaves just after the wait starts
+        sent = []
+        timer = threading.Timer(0.2, lambda: sent.append(a.send(x, "late", sh, peers={0: b.addresses})))
+        timer.start()
+        np.testing.assert_array_equal(bits(r.wait()), bits(x))
+        timer.join()
+        sent[0].wait()
+        r = b.recv("never", jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), sh, peers={0: a.addresses})
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            r.wait()
+        assert 0.4 < time.monotonic() - t0 < 10
+    finally:
+        a.close(), b.close()
+
+
 def test_a_timed_out_receive_is_withdrawn_and_its_tag_can_be_posted_again():
     a, b = endpoints("host", timeout_s=0.5)
     sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))

@@ -33,6 +33,8 @@ class Handle:
     def __init__(self, future: futures.Future | None, describe: str):
         self._future, self._describe = future, describe
         self._idle, self._timeout_s = None, 0.0  # see watch()
+        self._posted = time.monotonic()
+        self._waiting_since: float | None = None  # when wait() was first called (see overdue)
         self.wire_bytes = 0
         self.first_byte: float | None = None  # perf_counter time the first byte arrived (when known)
         self._result = None
@@ -60,12 +62,27 @@ class Handle:
     def done(self) -> bool:
         return self._future.done()
 
+    def overdue(self, timeout_s: float) -> bool:
+        """Whether the peer has been silent for timeout_s while someone waits for this
+        transfer. A receive is posted early (a pipeline posts a step's receives when the
+        step starts), so the time before its wait() is not the peer's silence. One never
+        waited for gives up 10 x timeout_s after it was posted, freeing its thread."""
+        now = time.monotonic()
+        if self._waiting_since is None:
+            return now - self._posted > 10 * timeout_s
+        quiet = now - self._waiting_since
+        if self._idle is not None:  # bytes of this message count as life too
+            quiet = min(quiet, self._idle())
+        return quiet > timeout_s
+
     def arriving(self) -> None:
         """Marks the first byte's arrival (the first call counts)."""
         if self.first_byte is None:
             self.first_byte = time.perf_counter()
 
     def wait(self):
+        if self._waiting_since is None:
+            self._waiting_since = time.monotonic()
         while True:
             # Not result(timeout=...): its TimeoutError is the builtin one, which a
             # TransferTimeout raised by the transfer would also match.
@@ -74,7 +91,7 @@ class Handle:
                     if self._result is None:
                         self._result = (self._spread(self._future.result()),)
                 return self._result[0]
-            if self._idle is not None and self._idle() > self._timeout_s:
+            if self._idle is not None and self.overdue(self._timeout_s):
                 error = TransferTimeout(
                     f"{self._describe}: no data for {self._timeout_s:g} s (LinkConfig.timeout_s); "
                     f"the peer stopped answering or never sent")
@@ -101,6 +118,18 @@ class Handle:
                 f"{self._describe}: the destination's other processes did not join its fan-out "
                 f"within {self._timeout_s:g} s (LinkConfig.timeout_s); one of them failed or died")
         return future.result()
+
+
+def wait_overdue(handle: Handle, fs, timeout_s: float, first: bool = False) -> bool:
+    """Waits for the futures `fs` (all, or the first with `first`); False once the handle
+    is overdue (Handle.overdue) before they are done."""
+    when = futures.FIRST_COMPLETED if first else futures.ALL_COMPLETED
+    while True:
+        done, _ = futures.wait(fs, timeout=0.05, return_when=when)
+        if (done and first) or len(done) == len(fs):
+            return True
+        if handle.overdue(timeout_s):
+            return False
 
 
 def check_peers(peers, processes, what: str, role: str) -> None:

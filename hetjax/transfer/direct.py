@@ -25,7 +25,6 @@ import hashlib
 import hmac
 import json
 import threading
-import time
 import zlib
 
 import jax
@@ -167,21 +166,19 @@ class DirectEndpoint(Endpoint):
                                                 self._uuid(tag, p, self.process, None, None, None), like, descriptors[p]))
         received = []
         ours = describe(expect.avals, src_layouts, expect.dst)
-        deadline = time.monotonic() + self.cfg.timeout_s  # one limit for the descriptor and the data
         for p, (address, future) in pulls.items():
             described = descriptors[p]
-            core.futures.wait([described, future], timeout=max(0.0, deadline - time.monotonic()),
-                              return_when=core.futures.FIRST_COMPLETED)
+            core.wait_overdue(handle, [described, future], self.cfg.timeout_s, first=True)
             if described.done() and described.exception() is None:
                 if (why := disagreement(described.result(), ours)) is not None:
                     raise TransferError(f"recv {tag!r}: source process {p} at {address} sent a message that "
                                         f"differs from this receive: {why}; both islands must agree on the tree")
-            if not core.futures.wait([future], timeout=max(0.0, deadline - time.monotonic())).done:
+            if not core.wait_overdue(handle, [future], self.cfg.timeout_s):
                 raise TransferTimeout(
                     f"recv {tag!r}: source process {p} at {address} sent nothing matching, or not all "
-                    f"of it, within {self.cfg.timeout_s:g} s (LinkConfig.timeout_s, which bounds the whole "
-                    f"transfer on this backend): it is gone, too slow for the limit, or its tag, shapes, "
-                    f"dtypes or layouts differ from this receive's")
+                    f"of it, within {self.cfg.timeout_s:g} s of waiting (LinkConfig.timeout_s, which bounds "
+                    f"the whole transfer on this backend): it is gone, too slow for the limit, or its tag, "
+                    f"shapes, dtypes or layouts differ from this receive's")
             try:
                 arrays = future.result()
             except jax.errors.JaxRuntimeError as e:

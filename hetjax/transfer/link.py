@@ -30,7 +30,9 @@ class LinkConfig:
     port: int = 0  # 0: any free port (the endpoint reports its addresses)
     secret_env: str = "HETJAX_TRANSFER_SECRET"  # the job's shared secret, from this variable...
     secret_file: str = ""  # ...or from this file when set
-    timeout_s: float = 60.0  # host: a peer silent this long; direct: a whole pull; TransferTimeout
+    # TransferTimeout once a receive's wait() has heard nothing this long (host: no byte;
+    # local, direct: no message); the time between posting a receive and waiting is not counted
+    timeout_s: float = 60.0
     chunk_bytes: int = 8 << 20  # unit of checksums and of copy/transfer overlap
     checksum: str = "xxh3"  # xxh3 (64-bit, ~80 GiB/s here) | crc32 (~7) | adler32 (~4), per chunk
 
