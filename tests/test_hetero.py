@@ -167,6 +167,17 @@ def test_placement_splits_in_proportion_to_speed():
     assert placement.proportional(16, [1, 2.9], units=[2, 4]) == (4, 12)
     with pytest.raises(ConfigError, match="cannot be split"):
         placement.proportional(6, [1, 1], units=[4, 4])
+    # The greedy hand-out reaches (8, 15) and 1 row left over; (6, 18) fits and is nearest.
+    assert placement.proportional(24, [1, 2], units=[2, 3]) == (6, 18)
+    for total in range(1, 40):  # a split is found exactly when one exists
+        for units in ([2, 3], [3, 6], [6, 3], [2, 2], [3, 3]):
+            exists = any(a * units[0] + b * units[1] == total for a in range(1, 40) for b in range(1, 40))
+            try:
+                parts = placement.proportional(total, [1, 2], units)
+            except ConfigError:
+                parts = None
+            assert (parts is not None) == exists, (total, units)
+            assert parts is None or (sum(parts) == total and all(p % u == 0 and p > 0 for p, u in zip(parts, units)))
 
 
 def tiny_islands(overrides=(), **hetero):
@@ -201,6 +212,14 @@ def test_bad_island_configs_are_refused_naming_the_field(hetero, match):
     ({"pipeline.microbatches": "1"}, {"placement": "data", "islands": (
         IslandConfig(name="a", devices_per_process=2, mesh=MeshConfig(pipeline=2, fsdp=1)), IslandConfig(name="b"))},
      "islands\\[0\\].mesh.pipeline=2: config.pipeline.microbatches=1 is smaller"),
+    ({}, {"placement": "data", "island_layers": (1, 1)}, "island_layers=\\(1, 1\\) / auto_split=False with "
+                                                         "placement='data'"),
+    ({"batch_size": "5"}, {"placement": "data"}, "config.batch_size=5: 5 cannot be split over the islands in "
+                                                 "positive multiples of \\(2, 2\\)"),
+    ({}, {"placement": "data", "islands": tuple(IslandConfig(name=n, devices_per_process=2, mesh=MeshConfig(fsdp=2))
+                                                for n in "abc"),
+          "links": (LinkConfig(backend="local"),) * 2, "link": LinkConfig(backend="local", checksum="crc32")},
+     "with placement='data' every island talks to every other one"),
 ])
 def test_bad_job_settings_for_islands_are_refused_naming_the_field(overrides, hetero, match):
     with pytest.raises(ConfigError, match=match):

@@ -108,6 +108,26 @@ def test_a_window_records_only_its_steps_and_writes_a_trace(tmp_path):
     assert "F1" in names and "F0" not in names and "F2" not in names
 
 
+def test_the_ranks_of_one_island_merge_onto_their_own_tracks(tmp_path):
+    for rank in (0, 1):
+        tl = timeline_lib.Timeline("cuda", 0, rank=rank, window=(0, 1))
+        f = tl.program("f", jax.jit(lambda x: x + 1))
+        tl.begin(0)
+        f(jnp.zeros(3), label="F0")
+        tl.message("send x", finishing(0.01, None))
+        tl.settle()
+        time.sleep(0.05)
+        tl.end()
+        tl.write(tmp_path)
+    _, events = timeline_lib.merge(tmp_path)
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert sorted(names.values()) == ["island cuda (rank 0)", "island cuda (rank 1)"]
+    spans = [e for e in events if e.get("ph") == "X" and e["name"] == "F0"]
+    assert len({e["pid"] for e in spans}) == 2  # one per rank, not one track drawn twice
+    ids = [(e["cat"], e["id"]) for e in events if e.get("ph") == "b"]
+    assert len(ids) == len(set(ids)) == 2  # async message ids are unique across the ranks
+
+
 def test_the_cores_are_shared_out_disjointly_in_proportion():
     assert cpu_shares([2, 2], [0, 1]) == [(0,), (1,)]
     assert cpu_shares([1, 3], [0, 1, 2, 3]) == [(0,), (1, 2, 3)]

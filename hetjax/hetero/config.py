@@ -165,9 +165,16 @@ def validate_hetero(cfg) -> None:
         if not h.virtual and link.backend == "local":
             raise ConfigError(f"{where}.backend='local' with config.hetero.virtual=False: islands in "
                               f"separate processes need 'host' or 'direct'")
-    if h.placement == "data" and len(set(h.links)) > 1:
+    if h.placement == "data" and (len(set(h.links)) > 1 or (n > 2 and h.links and h.links[0] != h.link)):
         raise ConfigError("config.hetero.links: with placement='data' every island talks to every "
                           "other one; set one config.hetero.link")
+    if h.placement == "data":
+        if h.island_layers or h.auto_split:
+            raise ConfigError(f"config.hetero.island_layers={h.island_layers} / auto_split={h.auto_split} with "
+                              f"placement='data': every island holds the whole model, so nothing splits its "
+                              f"layers; unset them (or use placement='pipeline')")
+        from hetjax.hetero.placement import batch_shares  # it reads this module's island sizes
+        batch_shares(cfg)  # a batch that no share of islands can split is refused before any device starts
     if h.fingerprint_every < 0:
         raise ConfigError(f"config.hetero.fingerprint_every={h.fingerprint_every}: use 0 (off) or a "
                           f"positive step count")

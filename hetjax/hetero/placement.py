@@ -29,11 +29,29 @@ def proportional(total: int, weights, units=None, what: str = "") -> tuple[int, 
             break
         k = max(fits, key=lambda k: ideal[k] - parts[k])
         parts[k] += units[k]
-    if parts.sum() != total:
+    if parts.sum() != total:  # the greedy hand-out can miss a split that exists: search
+        parts = _closest_split(int(total), ideal, [int(u) for u in units])
+    if parts is None:
         raise ConfigError(
             f"{what}: {total} cannot be split over the islands in positive multiples of "
             f"{tuple(int(u) for u in units)}; change the total or the islands' meshes")
     return tuple(int(p) for p in parts)
+
+
+def _closest_split(total: int, ideal, units: list[int]) -> list[int] | None:
+    """The split of `total` into positive multiples of `units` nearest `ideal` (the least
+    sum of |part - ideal|), or None if there is none: a search over the reachable sums."""
+    best: dict[int, tuple[float, list[int]]] = {0: (0.0, [])}
+    for k, u in enumerate(units):
+        rest = sum(units[k + 1:])  # each later island still needs at least its unit
+        step: dict[int, tuple[float, list[int]]] = {}
+        for reached, (cost, parts) in best.items():
+            for part in range(u, total - reached - rest + 1, u):
+                c = cost + abs(part - ideal[k])
+                if c < step.get(reached + part, (np.inf,))[0]:
+                    step[reached + part] = (c, parts + [part])
+        best = step
+    return best[total][1] if total in best else None
 
 
 def island_layers(cfg, speeds=None) -> tuple[int, ...]:

@@ -52,6 +52,9 @@ class Timeline:
 
     def __init__(self, island: str, index: int, rank: int = 0, window: tuple[int, int] | None = None):
         self.island, self.index, self.rank, self.window = island, index, rank, window
+        # One trace process per island and rank: the ranks of an island write one file each,
+        # and merged they must not share tracks (or async ids).
+        self.pid = index * 1000 + rank
         self.seconds: collections.Counter = collections.Counter()
         self.recording = False
         self.events: list[dict] = []
@@ -73,7 +76,7 @@ class Timeline:
             self.seconds[part] += end - start
             if self.recording:
                 self.events.append({"name": name, "cat": part, "ph": "X", "ts": self._us(start),
-                                    "dur": (end - start) * 1e6, "pid": self.index, "tid": TRACKS.index(track)})
+                                    "dur": (end - start) * 1e6, "pid": self.pid, "tid": TRACKS.index(track)})
 
     def waited(self, handle, start: float, sent: bool) -> None:
         """Counts a wait on `handle` from `start` until now: wait_sends for a send; for a
@@ -98,8 +101,8 @@ class Timeline:
 
     def _flight(self, name: str, start: float, end: float) -> None:
         with self._lock:  # async spans: messages overlap each other
-            ident = len(self.events)
-            common = {"name": name, "cat": "message", "id": ident, "pid": self.index, "tid": TRACKS.index("messages")}
+            ident = self.pid * 10**7 + len(self.events)
+            common = {"name": name, "cat": "message", "id": ident, "pid": self.pid, "tid": TRACKS.index("messages")}
             self.events += [dict(common, ph="b", ts=self._us(start)), dict(common, ph="e", ts=self._us(end))]
 
     # -- programs ------------------------------------------------------------------
@@ -136,7 +139,7 @@ class Timeline:
             start, done = max(dispatched, done), time.perf_counter()
             with self._lock:  # queued while recording: kept even if it ends after the window
                 self.events.append({"name": name, "cat": "compute", "ph": "X", "ts": self._us(start),
-                                    "dur": (done - start) * 1e6, "pid": self.index,
+                                    "dur": (done - start) * 1e6, "pid": self.pid,
                                     "tid": TRACKS.index("device")})
 
     # -- steps ---------------------------------------------------------------------
@@ -169,7 +172,7 @@ class Timeline:
             if self.recording:
                 self.events.append({"name": f"step {self._step}", "cat": "step", "ph": "X",
                                     "ts": self._us(self._step_start), "dur": total * 1e6,
-                                    "pid": self.index, "tid": TRACKS.index("host")})
+                                    "pid": self.pid, "tid": TRACKS.index("host")})
         out["compute"] = max(total - sum(out[p] for p in PARTS[1:]), settled)
         out["step"], out["loop"] = total, self._loop
         return out
@@ -183,10 +186,10 @@ class Timeline:
             events = list(self.events)
         if not events:
             return None
-        meta = [{"name": "process_name", "ph": "M", "pid": self.index,
+        meta = [{"name": "process_name", "ph": "M", "pid": self.pid,
                  "args": {"name": f"island {self.island} (rank {self.rank})"}},
-                {"name": "process_sort_index", "ph": "M", "pid": self.index, "args": {"sort_index": self.index}}]
-        meta += [{"name": "thread_name", "ph": "M", "pid": self.index, "tid": i, "args": {"name": t}}
+                {"name": "process_sort_index", "ph": "M", "pid": self.pid, "args": {"sort_index": self.pid}}]
+        meta += [{"name": "thread_name", "ph": "M", "pid": self.pid, "tid": i, "args": {"name": t}}
                  for i, t in enumerate(TRACKS)]
         path = Path(run_dir) / "trace" / f"{self.island}-{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
