@@ -144,6 +144,12 @@ def test_tiny_config_trains(tmp_path):
         assert all(math.isfinite(r[key]) and r[key] >= 0 for r in train_rows), key
     assert json.loads((run_dir / "config.json").read_text())["steps"] == 150
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    # Run again with fewer steps: refused, rather than saving step 150's state as "step 100".
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    with pytest.raises(config_lib.ConfigError, match="config.steps=100: .* already holds step 150"):
+        train.main(["--config", "tiny.py", f"--config.run_dir={run_dir}", "--config.steps=100",
+                    "--config.mesh.fsdp=4", "--config.mesh.data=2"])
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == saved
 
 
 def test_a_nan_stops_training_with_the_step_range(tmp_path):
