@@ -25,6 +25,7 @@ from hetjax.checkpoint_config import CheckpointConfig, validate_checkpoint
 from hetjax.compile.config import CompileConfig, validate_compile
 from hetjax.data.config import DATA_SOURCES, DataConfig, validate_data
 from hetjax.errors import ConfigError
+from hetjax.hetero import placement
 from hetjax.hetero.config import (PLACEMENTS, PLATFORMS, HeteroConfig, IslandConfig, island_mesh_sizes,
                                   validate_hetero)
 from hetjax.mesh import MESH_AXES, MeshConfig, validate_mesh
@@ -217,6 +218,8 @@ def validate(cfg: Config) -> None:
     validate_data(cfg)
     validate_checkpoint(cfg.checkpoint)
     validate_hetero(cfg)
+    if cfg.hetero.islands and cfg.hetero.placement == "data":
+        placement.batch_shares(cfg)  # a batch no share of the islands splits is refused before any device starts
     validate_wandb(cfg.wandb)
 
 

@@ -12,7 +12,7 @@ import pytest
 from hetjax import config as config_lib
 from hetjax import memory, metrics, plot, program
 from hetjax.compile import hardware
-from hetjax.hetero import job as hetero_job
+from hetjax.hetero import peaks
 from hetjax.mesh import make_mesh
 
 
@@ -69,13 +69,13 @@ def islands_mfus(cfg, island_devices: list[list]) -> tuple[float, list[float]]:
     """The MFU of a 1-second step of 1e15 FLOPs (the whole job's, in either mode) over
     hetero.job's peak: (virtual islands', [each island process's]). A process holds one
     island; the links' exchange (simulated) brings each other island's own peak."""
-    virtual, _ = hetero_job.peak_of_job(cfg, island_devices)
+    virtual, _ = peaks.peak_of_job(cfg, island_devices)
     processes = []
     for k, mine in enumerate(island_devices):
         def exchange(value, k=k):
-            return [value if j == k else hetero_job.island_peak(cfg, devices)
+            return [value if j == k else peaks.island_peak(cfg, devices)
                     for j, devices in enumerate(island_devices)]
-        processes.append(1e15 / hetero_job.peak_of_job(cfg, [mine], exchange)[0])
+        processes.append(1e15 / peaks.peak_of_job(cfg, [mine], exchange)[0])
     return 1e15 / virtual, processes
 
 
@@ -101,7 +101,7 @@ def test_island_processes_measure_mfu_against_the_whole_jobs_peak_as_virtual_isl
     assert virtual == pytest.approx(1e15 / metrics.peak_flops(cfg, cpus[:4])[0]) == pytest.approx(1e4)
     assert processes == pytest.approx([virtual, virtual])
     on_two_hosts = [{"peak": 1e11, "source": "measured", "host": h} for h in ("a", "b", "b")]
-    assert hetero_job.job_peak(on_two_hosts)[0] == 2e11
+    assert peaks.job_peak(on_two_hosts)[0] == 2e11
 
 
 # -- the activation estimate against XLA's own figure ---------------------------------------

@@ -173,8 +173,6 @@ def validate_hetero(cfg) -> None:
             raise ConfigError(f"config.hetero.island_layers={h.island_layers} / auto_split={h.auto_split} with "
                               f"placement='data': every island holds the whole model, so nothing splits its "
                               f"layers; unset them (or use placement='pipeline')")
-        from hetjax.hetero.placement import batch_shares  # it reads this module's island sizes
-        batch_shares(cfg)  # a batch that no share of islands can split is refused before any device starts
     if h.fingerprint_every < 0:
         raise ConfigError(f"config.hetero.fingerprint_every={h.fingerprint_every}: use 0 (off) or a "
                           f"positive step count")

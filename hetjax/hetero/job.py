@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import threading
 import uuid
 from concurrent import futures
@@ -30,6 +29,7 @@ from hetjax import metrics as metrics_lib
 from hetjax.compile import backend
 from hetjax.errors import ConfigError, IslandLost
 from hetjax.hetero import island as island_lib
+from hetjax.hetero.peaks import island_agreed, peak_of_job
 from hetjax.hetero.checkpoints import Checkpoints, check_saved_placement, held_by_all, steps_row
 from hetjax.hetero.checkpoints import manager as island_manager
 from hetjax.hetero import placement
@@ -122,39 +122,6 @@ def check_config(cfg, links: Links, mesh) -> None:
         if diff:
             raise ConfigError(f"island {names[j]}'s config differs from island {names[links.k]}'s: "
                               f"{'; '.join(diff[:5])}; start every island with the same config")
-
-
-def island_peak(cfg, devices) -> dict:
-    """An island's peak FLOP/s and its source (hetjax.metrics.peak_flops), JSON-able for
-    the exchange; `host` names the machine whose cores a measured CPU rate stands for."""
-    peak, source = metrics_lib.peak_flops(cfg, devices)
-    measured = devices[0].platform == "cpu" and cfg.peak_tflops <= 0
-    return {"peak": peak, "source": source, "host": socket.gethostname() if measured else None}
-
-
-def peak_of_job(cfg, local_devices: list[list], exchange=None) -> tuple[float, str]:
-    """The whole job's peak FLOP/s and its source, as flops_per_step is the whole job's.
-    `local_devices`: each island of this process's devices; `exchange(mine)`, in process
-    mode (one island here): every island's `mine`, in island order (gather_json)."""
-    peaks = [island_peak(cfg, devices) for devices in local_devices]
-    if exchange is not None:  # the other islands' peaks come from their own device kinds
-        peaks = exchange(peaks[0])
-    return job_peak(peaks)
-
-
-def job_peak(peaks: list[dict]) -> tuple[float, str]:
-    """The sum of every island's island_peak, with a host's measured CPU rate counted
-    once (its islands share its cores, as virtual CPU devices do in
-    metrics.peak_flops), and the sources."""
-    hosts: dict[str, float] = {}
-    total = 0.0
-    for p in peaks:
-        if p["host"] is None:
-            total += p["peak"]
-        else:
-            hosts[p["host"]] = max(hosts.get(p["host"], 0.0), p["peak"])
-    sources = " + ".join(dict.fromkeys(p["source"] for p in peaks))
-    return total + sum(hosts.values()), sources
 
 
 class Worker:
@@ -254,7 +221,8 @@ class IslandsJob:
         self.stop_requested = False  # every island's, agreed at the last step
         one = self.workers[0]  # process mode: the only one
         self.peak, self.peak_source = peak_of_job(cfg, [devices[k] for k in local], None if settings is None else
-                                                  lambda mine: gather_json(one.links, mine, "peak", one.island.mesh))
+                                                  lambda mine: gather_json(one.links, island_agreed(mine), "peak",
+                                                                           one.island.mesh))
         restored = self.checkpoints.restore_latest([w.island.abstract for w in self.workers],
                                                    [w.island.shardings for w in self.workers], log)
         if restored is not None:

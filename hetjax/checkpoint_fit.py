@@ -1,0 +1,64 @@
+"""Whether a checkpoint fits this config before it is used: its parameters' shapes and its
+optimizer state's parts (a mismatch is the config's, a ConfigError that moves nothing),
+and its arrays' checksums (a mismatch is damage, CorruptCheckpoint)."""
+
+from __future__ import annotations
+
+import jax
+
+from hetjax.errors import ConfigError, CorruptCheckpoint
+from hetjax.repro.digest import leaf_checksums, path_name
+
+
+def check_shapes(saved_tree, abstract, where: str, saved_config: dict | None = None) -> None:
+    """Raises ConfigError naming the first parameter whose saved shape differs."""
+    saved, wanted = _shapes(saved_tree), _shapes(abstract)
+    hint = ""
+    if saved_config and "model" in saved_config:
+        hint = f" The checkpoint was written with model config {saved_config['model']}."
+    for name in sorted(set(saved) | set(wanted)):
+        if name not in saved:
+            raise ConfigError(f"{where} has no parameter {name!r}, which config.model asks for "
+                              f"(e.g. config.model.tie_embeddings or qkv_bias differ).{hint}")
+        if name not in wanted:
+            raise ConfigError(f"{where} has a parameter {name!r} that config.model does not have "
+                              f"(e.g. config.model.tie_embeddings or qkv_bias differ).{hint}")
+        if saved[name] != wanted[name]:
+            raise ConfigError(f"{where}: parameter {name!r} has shape {saved[name]} there but "
+                              f"{wanted[name]} in this config; set config.model to match the "
+                              f"checkpoint.{hint}")
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    """Array name -> shape, of arrays, abstract ones, or orbax's saved metadata."""
+    tree = getattr(tree, "tree", tree)  # orbax's TreeMetadata
+    return {path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: hasattr(x, "shape"))[0] if hasattr(x, "shape")}
+
+
+def check_optimizer(saved_tree, abstract, where: str, saved_config: dict | None = None) -> None:
+    """Raises ConfigError when the saved optimizer state has other parts than this config's
+    optimizer makes (config.optim changed, e.g. clipping turned on or off): orbax would
+    fail to read it, and a sound checkpoint must not pass for a damaged one."""
+    saved, wanted = _shapes(saved_tree), _shapes(abstract)
+    if saved == wanted:
+        return
+    first = sorted(set(saved) ^ set(wanted)) or sorted(k for k in saved if saved[k] != wanted[k])
+    was = f" It was written with config.optim {saved_config['optim']}." if saved_config and "optim" in saved_config else ""
+    raise ConfigError(
+        f"{where}: its optimizer state ({len(saved)} arrays) is not the one this config's optimizer makes "
+        f"({len(wanted)} arrays; first difference: {first[0]!r}), so config.optim changed since it was "
+        f"written (e.g. grad_clip_norm turned on or off).{was} Set config.optim as it was to resume, or start "
+        f"a new run from its weights with --config.init_from and a new config.run_dir.")
+
+
+def verify(expected: dict[str, str], tree, where: str) -> None:
+    """Recomputes the checksums of `tree` and compares them with those saved."""
+    if not expected:
+        return
+    actual = leaf_checksums(tree)
+    bad = sorted(k for k in expected if actual.get(k) != expected[k])
+    if bad or set(actual) != set(expected):
+        raise CorruptCheckpoint(
+            f"{where} is damaged: {len(bad)} array(s) differ from the checksums written at save "
+            f"time (first: {bad[:3]})")
