@@ -21,7 +21,7 @@ from hetjax import cli as cli_lib  # `cli` below is the console script's entry p
 from hetjax import config as config_lib
 from hetjax import data, memory, metrics, repro, stop as stop_lib
 from hetjax.compile import aot
-from hetjax.hetero import job as hetero_job
+from hetjax.hetero import job as hetero_job, runtime
 from hetjax import job as job_lib
 from hetjax.job import Job, MeshJob
 from hetjax.profiler import Profiler
@@ -32,6 +32,7 @@ PREEMPTED = stop_lib.PREEMPTED  # exit status after SIGTERM (130 after Ctrl-C)
 
 
 def main(argv: list[str] | None = None) -> int:
+    runtime.follow_launcher()  # started by launch.local: end with it
     args = cli_lib.parse_command_line(sys.argv[1:] if argv is None else argv, doc=__doc__)
     cfg = config_lib.load(args.config, args.overrides)
     config_lib.validate(cfg)

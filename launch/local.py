@@ -259,7 +259,7 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
     command = [sys.executable, "-m", "hetjax.train"] if command is None else list(command)
     logs = Path(cfg.run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    shared = dict(os.environ, **secret_env(cfg))
+    shared = dict(os.environ, **secret_env(cfg), **{runtime.LAUNCHER_VARIABLE: str(os.getpid())})
     if processes is not None:
         shared[scheduler.NUM_PROCESSES] = str(processes)
     lock, procs, next_device = threading.Lock(), [], {}

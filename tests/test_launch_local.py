@@ -314,6 +314,39 @@ def test_a_closed_terminal_stops_the_job_and_a_second_signal_kills_it(cfg_path, 
     assert not [pid for pid in _grandchildren(text) if _alive(pid)], text
 
 
+# A process that follows its launcher as hetjax.train does, then waits.
+FOLLOWER = textwrap.dedent("""
+    import os, time
+    from hetjax.hetero import runtime
+    runtime.follow_launcher()
+    print("follower", os.getpid(), "inherits", os.environ.get(runtime.LAUNCHER_VARIABLE), flush=True)
+    time.sleep(300)
+""")
+
+
+def test_a_killed_launcher_takes_its_processes_with_it(cfg_path):
+    """SIGKILL gives the launcher no chance to stop its processes: each one asked Linux to
+    send it SIGTERM when the launcher dies."""
+    script = (f"import sys; from hetjax.launch import local; "
+              f"local.run({cfg_path!r}, stand_in='cpu', command=[sys.executable, '-c', {FOLLOWER!r}])")
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    pids = []
+    for line in launcher.stdout:
+        if " follower " in line:
+            assert line.split()[-1] == "None", line  # not passed on to the processes it starts
+            pids.append(int(line.split()[2]))
+            if len(pids) == 3:
+                break
+    assert all(_alive(pid) for pid in pids)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if _alive(pid)]
+
+
 # A jax workload: each island is a real jax.distributed world (gloo inside it) that sums
 # a sharded array every step; with FAIL set, a:1 dies after step 1.
 JAX_WORKLOAD = textwrap.dedent("""

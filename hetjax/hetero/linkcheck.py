@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hetjax import cli as cli_lib  # `cli` below is the console entry point
 from hetjax import config as config_lib
 from hetjax.errors import ConfigError, JobError
-from hetjax.hetero import job as hetero_job
+from hetjax.hetero import job as hetero_job, runtime
 from hetjax.hetero.island import geometry, make_mesh
 from hetjax.hetero.links import IslandLost, Links, link_config
 from hetjax.mesh import MESH_AXES
@@ -95,6 +95,7 @@ def check_link(links: Links, j: int, mesh, mib: int, iters: int, say) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    runtime.follow_launcher()  # started by launch.local: end with it
     args = cli_lib.parse_command_line(sys.argv[1:] if argv is None else argv, flags=(), doc=__doc__,
                                       options={"mib": "64", "iters": "3"})
     sizes = {}

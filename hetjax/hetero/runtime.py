@@ -17,7 +17,9 @@ import inspect
 import ipaddress
 import math
 import os
+import signal
 import socket
+import sys
 
 from hetjax.config import Config
 from hetjax.errors import ConfigError
@@ -27,6 +29,22 @@ from hetjax.errors import IslandStartError  # noqa: F401 - raised here, caught b
 
 
 CPUS_VARIABLE = "HETJAX_CPUS"  # cores this process keeps to (launch.local's stand-in islands)
+LAUNCHER_VARIABLE = "HETJAX_LAUNCHER_PID"  # launch.local's pid: its processes end with it
+
+
+def follow_launcher(environ=None) -> None:
+    """Has Linux send this process SIGTERM (hetjax.train saves and exits) when the
+    launch.local that started it dies, even of a SIGKILL that leaves the launcher no
+    chance to stop its processes. Called first thing in each process it starts."""
+    environ = os.environ if environ is None else environ
+    launcher = environ.pop(LAUNCHER_VARIABLE, "")  # not for the processes this one starts
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(launcher):  # it died before the call above
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclasses.dataclass(frozen=True)
