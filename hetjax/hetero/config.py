@@ -165,7 +165,8 @@ def validate_hetero(cfg) -> None:
         if not h.virtual and link.backend == "local":
             raise ConfigError(f"{where}.backend='local' with config.hetero.virtual=False: islands in "
                               f"separate processes need 'host' or 'direct'")
-    if h.placement == "data" and (len(set(h.links)) > 1 or (n > 2 and h.links and h.links[0] != h.link)):
+    # links has n - 1 entries (above): with 2 islands the one pair is a neighbour's.
+    if h.placement == "data" and n > 2 and h.links and set(h.links) != {h.link}:
         raise ConfigError("config.hetero.links: with placement='data' every island talks to every "
                           "other one; set one config.hetero.link")
     if h.placement == "data":
