@@ -81,13 +81,18 @@ def command_line(argv: list[str], default_config: str, counts: dict[str, tuple[i
 
 
 def tokens_per_sec(run_dir: Path, skip: int) -> tuple[float, float, int]:
-    """(tokens/s, last loss, steps measured) from the run's metrics.jsonl."""
+    """(tokens/s, last loss, steps measured) from the run's metrics.jsonl.
+
+    Tokens are every position of the batch (metrics' tokens_per_sec, what MFU counts), not
+    only those the loss reads.
+    """
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "step_time" in r]
     timed = rows[skip:-1]
     if not timed:
         raise ConfigError(f"--skip={skip}: the run has only {len(rows)} steps; use more --steps")
-    return sum(r["tokens"] for r in timed) / sum(r["step_time"] for r in timed), rows[-1]["loss"], len(timed)
+    tokens = sum(r["tokens_per_sec"] * r["step_time"] for r in timed)  # batch_size * seq_len each
+    return tokens / sum(r["step_time"] for r in timed), rows[-1]["loss"], len(timed)
 
 
 def train_in_one_process(config: str, overrides: dict, env: dict) -> Callable[[TextIO], int]:

@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
                 flush()
                 evaluate(s)
             job.check_identical(state, s + 1)  # islands that must agree bit for bit, every N steps
-            stop = job.stop_requested  # with islands: agreed by all, so all save the same step
+            # With islands: agreed by all, so all save the same step. A stop during the last
+            # step finishes the run instead (its final eval too), as a resume would do nothing.
+            stop = job.stop_requested and s + 1 < cfg.steps
             if stop or ckpt.should_save(s + 1):
                 save(s + 1)
             if stop:

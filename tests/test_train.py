@@ -201,3 +201,28 @@ def test_a_stuck_tensorboard_writer_cannot_hold_the_exit(tmp_path, capsys):
     assert "did not close in 0.5s" in capsys.readouterr().err
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 1.0
     release.set()
+
+
+def test_a_sigterm_in_the_last_step_finishes_the_run_with_its_final_eval(tmp_path, monkeypatch):
+    """Stopping after the last step used to save and exit 143 before the final eval, and a
+    rerun (already at config.steps) never ran it."""
+    import os
+    import signal
+    from hetjax import job as job_lib
+    steps = 3
+    real_step = job_lib.MeshJob.train_step
+
+    def step_then_sigterm(self, state, batch):
+        last = int(jax.device_get(state.step)) == steps - 1  # before the step donates it
+        out = real_step(self, state, batch)
+        if last:
+            os.kill(os.getpid(), signal.SIGTERM)  # the real handler, during the last step
+        return out
+
+    monkeypatch.setattr(job_lib.MeshJob, "train_step", step_then_sigterm)
+    code, run_dir, rows = run_main(tmp_path, f"--config.steps={steps}", "--config.eval_every=2",
+                                   "--config.eval_batches=1", "--config.tensorboard=false")
+    assert code == 0
+    assert [r["step"] for r in rows if "loss" in r] == list(range(steps))
+    assert [r["step"] for r in rows if "eval_loss" in r] == [1, steps - 1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())[-1] == str(steps)
