@@ -13,11 +13,25 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 PREEMPTED = 143  # exit status after SIGTERM: 128 + 15, as if the signal had killed us
 INTERRUPTED = 130  # after Ctrl-C: 128 + 2
 _AT_ONCE = b"interrupted twice (Ctrl-C): exiting at once; the last completed checkpoint is kept\n"
+
+
+def end_with_parent(signum: int, parent: int | None = None) -> None:
+    """Has Linux send this process `signum` when its parent dies, even of a SIGKILL that
+    leaves the parent no chance to stop it (PR_SET_PDEATHSIG; nothing elsewhere). `parent`:
+    the pid expected as parent; if it died before the call, the signal is sent at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signum)
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signum)
 
 
 class Agreement:

@@ -2,8 +2,10 @@
 batches, exact resume, attention confined to documents, the synthetic floor."""
 
 import json
+import os
 import math
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -174,6 +176,94 @@ def test_batches_are_the_same_on_every_mesh_and_worker_count(workers):
                     np.testing.assert_array_equal(np.asarray(batch[k]), exp[k], err_msg=(mesh_cfg, k))
         finally:
             it.close()
+
+
+
+# A trainer holding a worker iterator (`python SCRIPT`): it takes batches 0-1, says which
+# processes are its grain workers, and after a Ctrl-C (handled as hetjax.train does:
+# noted, acted on later) takes batches 2-5 and checks them against the reference.
+_TRAINER = """
+import os, signal, sys, time
+import numpy as np
+from hetjax import data, program
+from hetjax.config import DEFAULT_RULES, MeshConfig
+from hetjax.data import packing, pipeline
+from hetjax.mesh import make_mesh
+from tests.test_data import CFG, reference_batches
+
+def main():
+    d = data.build(CFG)
+    sh = program.batch_shardings(make_mesh(MeshConfig(data=-1, fsdp=1)), DEFAULT_RULES)
+    it = pipeline.DataIterator(d.train, 8, sh, fingerprint=d.fingerprint, num_workers=2)
+    stopped = []
+    signal.signal(signal.SIGINT, lambda *_: stopped.append(1))
+    expected = reference_batches(d, range(6))
+    got = [next(it) for _ in range(2)]
+    me = str(os.getpid())
+    workers = [p for p in os.listdir("/proc") if p.isdigit() and p != me
+               and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == me
+               and b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()
+               and b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read()]
+    print("workers", *workers, flush=True)
+    while not stopped:
+        time.sleep(0.05)
+    got += [next(it) for _ in range(4)]
+    for batch, exp in zip(got, expected):
+        for k in packing.KEYS:
+            np.testing.assert_array_equal(np.asarray(batch[k]), exp[k])
+    it.close()
+    print("six batches after Ctrl-C", flush=True)
+
+
+if __name__ == "__main__":  # grain's workers are spawned: they import this file
+    main()
+"""
+
+
+def _start_trainer(tmp_path):
+    import subprocess, sys
+    script = tmp_path / "trainer.py"
+    script.write_text(_TRAINER)
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=root, start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    import select
+    if not select.select([proc.stdout], [], [], 120)[0]:
+        os.killpg(proc.pid, 9)
+        raise AssertionError("the trainer script said nothing in 120 s")
+    line = proc.stdout.readline()
+    assert line.startswith("workers"), line + proc.stdout.read()
+    workers = [int(p) for p in line.split()[1:]]
+    assert len(workers) == 2, line
+    return proc, workers
+
+
+def test_grain_workers_leave_a_ctrl_c_to_the_trainer_and_end_with_it(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group. The workers used to die of it
+    with a KeyboardInterrupt traceback each, leaving the trainer, which saves before it
+    stops, without its batches. And a trainer killed outright left its workers running."""
+    import signal
+    proc, _ = _start_trainer(tmp_path)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: every process of the group
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and "six batches after Ctrl-C" in out, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+
+    proc, workers = _start_trainer(tmp_path)
+    proc.kill()  # SIGKILL: no chance to close its iterator
+    proc.wait()
+    deadline = time.monotonic() + 30
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        alive = [w for w in workers if os.path.exists(f"/proc/{w}")
+                 and open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+        time.sleep(0.1)
+    assert not alive, f"grain workers {alive} outlived their killed trainer"
 
 
 def test_restoring_the_state_continues_exactly():

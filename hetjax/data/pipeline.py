@@ -13,14 +13,18 @@ same pipeline from s: it costs what starting at 0 does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import os
+import signal
 
 import grain
 import jax
 import numpy as np
 
 from hetjax.errors import ConfigError
+from hetjax import stop as stop_lib
 from hetjax.data import mixture, packing, sources, synthetic, tokenizers
 
 
@@ -46,6 +50,16 @@ def to_global(local: dict[str, np.ndarray], rows: np.ndarray, batch_size: int,
     return {k: jax.make_array_from_callback((batch_size, local[k].shape[1]), s,
                                             lambda idx, k=k: block(k, idx))
             for k, s in shardings.items()}
+
+
+def _worker_start(parent: int, worker_index: int, worker_count: int) -> None:
+    """A terminal's Ctrl-C and SLURM's SIGTERM reach every process of the job: the workers
+    leave them to the trainer, which saves and then closes them, instead of each dying
+    (with a traceback, leaking its shared memory) while the trainer may still need
+    batches. A trainer that dies without closing them takes them along."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    stop_lib.end_with_parent(signal.SIGKILL, parent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +106,8 @@ class DataIterator:
             if not flags.FLAGS.is_parsed():
                 flags.FLAGS.mark_as_parsed()
             it = it.mp_prefetch(grain.MultiprocessingOptions(
-                num_workers=self.num_workers, per_worker_buffer_size=self.prefetch))
+                num_workers=self.num_workers, per_worker_buffer_size=self.prefetch),
+                worker_init_fn=functools.partial(_worker_start, os.getpid()))
         self._it = iter(it)
 
     def __iter__(self):

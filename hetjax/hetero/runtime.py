@@ -19,10 +19,10 @@ import math
 import os
 import signal
 import socket
-import sys
 
 from hetjax.config import Config
 from hetjax.errors import ConfigError
+from hetjax import stop
 from hetjax.hetero.config import IslandConfig
 from hetjax.transfer.link import address, retry
 from hetjax.errors import IslandStartError  # noqa: F401 - raised here, caught by callers
@@ -38,13 +38,8 @@ def follow_launcher(environ=None) -> None:
     chance to stop its processes. Called first thing in each process it starts."""
     environ = os.environ if environ is None else environ
     launcher = environ.pop(LAUNCHER_VARIABLE, "")  # not for the processes this one starts
-    if not launcher.isdigit() or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    pr_set_pdeathsig = 1  # <linux/prctl.h>
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != int(launcher):  # it died before the call above
-        os.kill(os.getpid(), signal.SIGTERM)
+    if launcher.isdigit():
+        stop.end_with_parent(signal.SIGTERM, int(launcher))
 
 
 @dataclasses.dataclass(frozen=True)
