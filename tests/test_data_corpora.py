@@ -74,6 +74,18 @@ def test_every_input_kind_prepares_to_the_same_documents_on_any_process_count(tm
     assert read_back(tmp_path / "glob") == expected * 3 and len(meta["sources"]) == 3
 
 
+
+def test_the_digest_tells_documents_split_differently_apart(tmp_path):
+    """The same tokens cut into other documents pack into other rows (each document starts
+    with BOS), so a run must not resume on them: the digest covers where documents end."""
+    digests = []
+    for name, docs in (("one", ["hello world", "foo"]), ("two", ["hello", " worldfoo"])):
+        (tmp_path / f"{name}.jsonl").write_bytes(jsonl(docs))
+        digests.append(prepare.prepare(str(tmp_path / f"{name}.jsonl"), str(tmp_path / name), progress=False,
+                                       processes=1)["digest"])
+    assert digests[0] != digests[1]
+
+
 def test_an_interrupted_prepare_resumes_and_other_options_are_refused(tmp_path, capsys):
     inputs = write_corpora(tmp_path / "in")
     first = prepare.prepare(inputs["parquet"], str(tmp_path / "out"), progress=False, processes=2)

@@ -82,6 +82,7 @@ def _prepare_unit(job) -> dict:
                 writer = ArrayRecordWriter(str(out / shards[-1]), "group_size:1")
             raw = ids.astype("<i4").tobytes()
             writer.write(raw)
+            digest.update(len(ids).to_bytes(8, "little"))  # where documents end: packing starts each anew
             digest.update(raw)
             lengths.append(len(ids))
     if writer is not None:
