@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_policy
 
-from hetjax import checkpoint_copy, orbax_noise, save_failures
+from hetjax import checkpoint_copy, checkpoint_readable, orbax_noise, save_failures
 from hetjax.checkpoint_fit import check_optimizer, check_shapes, verify
 from hetjax.compile import aot
 from hetjax.checkpoint_config import CheckpointConfig
@@ -129,10 +129,13 @@ class Manager:
     on: see keep_from()), and restores the latest checkpoint that verifies."""
 
     def __init__(self, directory: str | Path, cfg: CheckpointConfig = CheckpointConfig(),
-                 read_only: bool = False, keep_from: int | None = None, keep_all: bool = False):
-        """keep_all: delete no step (a directory that a tool writes into, not a run's own)."""
+                 read_only: bool = False, keep_from: int | None = None, keep_all: bool = False,
+                 peer_timeout_s: float = 120.0):
+        """keep_all: delete no step (a directory that a tool writes into, not a run's own).
+        peer_timeout_s: how long a process that cannot read a step waits to hear whether
+        the job's other processes could (hetjax/checkpoint_readable.py)."""
         self.directory = Path(directory).absolute()
-        self.cfg = cfg
+        self.cfg, self.peer_timeout_s = cfg, peer_timeout_s
         policies = [keep_policy.PreserveAll() if keep_all else keep_policy.LatestN(n=cfg.keep)]
         if cfg.keep_every:
             policies.append(keep_policy.EveryNSteps(cfg.keep_every))
@@ -284,10 +287,22 @@ class Manager:
         """The newest checkpoint that reads and verifies, laid out by `shardings`;
         None if there is none. Damaged ones are reported and moved to `corrupt/`."""
         for step in reversed(self.steps()):
+            if notes := checkpoint_readable.marked(self.directory, step):  # left by the last start
+                log(f"warning: {self.where(step)} could not be read by every process of the last start "
+                    f"({', '.join(n.name for n in notes)})")
+                self.move_aside(step, log, why="partly unreadable")
+                continue
             try:
                 return self.restore(step, abstract_state, shardings)
             except CorruptCheckpoint as e:
                 log(f"warning: {e}")
+                if not checkpoint_readable.all_failed(self.directory, step, self.peer_timeout_s):
+                    note = checkpoint_readable.mark(self.directory, step, e)
+                    raise CheckpointError(
+                        f"process {jax.process_index()} cannot read {self.where(step)}, which the other "
+                        f"processes read, so the job cannot go on together and stops. Start it again: "
+                        f"every process then sets this step aside (as {note} says) and resumes from the "
+                        f"one before") from None
                 self.move_aside(step, log)
         return None
 
@@ -342,7 +357,11 @@ class Manager:
 
     def move_aside(self, step: int, log, why: str = "damaged") -> None:
         """Moves checkpoint `step` out of the way (into corrupt/, never deleted). Every
-        process calls it; process 0 moves, and all see the change before going on."""
+        process calls it; process 0 moves once all are done looking at the step (its notes
+        too), and all see the change before going on."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"hetjax checkpoint {step} to move aside")
         if jax.process_index() == 0:
             src = self.directory / str(step)
             dst = self.directory.parent / CORRUPT_DIR / f"{self.directory.name}-{step}-{int(time.time())}"
@@ -350,7 +369,6 @@ class Manager:
             src.rename(dst)
             log(f"warning: moved the {why} checkpoint to {dst} (nothing was deleted)")
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"hetjax checkpoint {step} moved aside")
         self._manager.reload()
 

@@ -159,7 +159,8 @@ class MeshJob:
         self.run_dir = Path(cfg.run_dir)
         if jax.process_index():  # one writer of run_dir's files per job: process 0
             self.run_dir = self.run_dir / "processes" / str(jax.process_index())
-        self.checkpoints = checkpoint.Manager(checkpoint.default_dir(cfg), cfg.checkpoint)
+        self.checkpoints = checkpoint.Manager(checkpoint.default_dir(cfg), cfg.checkpoint,
+                                              peer_timeout_s=cfg.hetero.timeout_s)
         if prog.plan is not None and prog.plan.layout.virtual > 1:
             self.checkpoints = ModelOrderCheckpoints(self.checkpoints, prog.plan.layout, prog.state_shardings)
         # Resume the run's own checkpoint if it has one (same run_dir, no flag); else
