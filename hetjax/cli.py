@@ -105,6 +105,20 @@ def need(module: str, extra: str, what: str):
                            f"pip install 'hetjax[{extra}]'") from None
 
 
+def output_dir(path: str, flag: str):
+    """`path` as a directory, made now, before a command's long work: a ConfigError naming
+    `flag` if it is a file or cannot be made."""
+    from pathlib import Path
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{flag}={path}: is a file; give a directory (it is made if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag}={path}: cannot make this directory ({e.strerror}); give another") from None
+    return out
+
+
 def alias(option: str, known) -> str:
     """`--a-b` for `--a_b` (or back) when only the other spelling is a known option."""
     key, eq, value = option.partition("=")

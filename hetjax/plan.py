@@ -35,16 +35,22 @@ def main(argv: list[str]) -> int:
     if len(meshes) > 1:  # before compiling anything: a sweep ends with its plot
         cli_lib.need("matplotlib", "plot", "python -m hetjax.plan's sweep (plan.png)")
     names = [hardware.get(h.strip()).name for h in ns.hardware.split(",")]
+    out = cli_lib.output_dir(ns.out or f"plans/{cfg.name}", "--out")  # before compiling anything
     backend.virtual_cpu_devices(devices)
     import dataclasses
+    from hetjax import config as config_lib
     from hetjax.mesh import make_mesh
+    # Every mesh passes the trainer's own checks before any compiles: a plan must not
+    # recommend what `python -m hetjax.train` then refuses.
+    cfgs = [dataclasses.replace(cfg, mesh=m) for m in meshes]
+    for c in cfgs:
+        config_lib.validate(c)
+        plan.check_as_the_trainer_does(c, make_mesh(c.mesh))
     reports = []
-    for mesh_cfg in meshes:
-        reports.append(plan.plan(dataclasses.replace(cfg, mesh=mesh_cfg), make_mesh(mesh_cfg), names))
+    for c in cfgs:
+        reports.append(plan.plan(c, make_mesh(c.mesh), names))
         print(f"planned {reports[-1]['config']} on {reports[-1]['mesh']}", file=sys.stderr, flush=True)
     print(plan.table(reports))
-    out = Path(ns.out or f"plans/{cfg.name}")
-    out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(reports, indent=1) + "\n")
     written = [out / "plan.json"]
     if len(reports) > 1:

@@ -94,6 +94,10 @@ def test_loading_refuses_other_meshes_jax_versions_configs_and_corruption(tmp_pa
     (tmp_path / "train_step.jax").write_bytes(bytes(blob))
     with pytest.raises(export.ArtifactMismatch, match="sha256"):
         export.load(tmp_path, CFG, mesh)
+    text = json.dumps(manifest)
+    (tmp_path / "manifest.json").write_text(text[:len(text) // 2])  # cut short (a full disk)
+    with pytest.raises(export.ArtifactMismatch, match="unreadable manifest"):
+        export.load(tmp_path, CFG, mesh)
 
 
 def test_command_line_bad_input(tmp_path, capsys):

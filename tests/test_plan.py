@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from hetjax import metrics, program
-from hetjax.compile import hlo, plan
+from hetjax.compile import hardware, hlo, plan
 from hetjax.compile.cli import run
 from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, load
 from hetjax.mesh import make_mesh
@@ -119,6 +119,23 @@ def test_bad_input_names_the_flag(capsys):
     assert "--hardware='TPUv5'" in capsys.readouterr().err
     assert run(plan_main, ["--config", "tiny", "--devices", "8", "--mesh", "tensor=8"]) == 2
     assert "config.model.num_heads=4 does not split over config.mesh.tensor=8" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"names fsdp twice"):
+        plan.parse_mesh("fsdp=4,fsdp=2", 2)
+
+
+def test_the_planner_refuses_what_the_trainer_refuses_before_compiling(tmp_path, capsys, monkeypatch):
+    """It used to print `fits yes` for meshes that `hetjax.train` then refused."""
+    monkeypatch.setattr(plan, "plan", lambda *a: pytest.fail("compiled a mesh the trainer refuses"))
+    common = ["--config", "tiny", "--devices", "8", "--out", str(tmp_path / "out")]
+    assert run(plan_main, [*common, "--mesh", "fsdp=8;pipeline=2,fsdp=4",
+                           "--config.optim.grad_accum_steps=2"]) == 2
+    assert "config.optim.grad_accum_steps=2 with config.mesh.pipeline=2" in capsys.readouterr().err
+    assert run(plan_main, [*common, "--mesh", "pipeline=8", "--config.model.num_layers=8",
+                           "--config.pipeline.microbatches=8", "--config.sharding.max_replicated_fraction=0.01"]) == 2
+    assert "config.sharding.max_replicated_fraction" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    assert run(plan_main, ["--config", "tiny", "--devices", "8", "--out", str(tmp_path / "afile")]) == 2
+    assert "--out=" in capsys.readouterr().err
 
 
 def test_sweep_on_more_devices_in_a_fresh_process(tmp_path):
@@ -135,3 +152,49 @@ def test_sweep_on_more_devices_in_a_fresh_process(tmp_path):
     m = load("tiny").model
     assert reports[0]["parameter_bytes"] == analytic_param_bytes(dataclasses.replace(m, num_layers=1), 16, 1)
     assert metrics.PEAK_FLOPS["H100"] == 989e12  # one table for MFU and the planner
+
+
+def test_a_conditional_counts_its_costliest_branch_once_per_call():
+    """A pipeline's tick loop runs one branch of its conditional per trip; counting every
+    branch made a pipeline mesh's FLOPs about 5x too high."""
+    text = """HloModule m
+%light (p: f32[4,8]) -> f32[4,8] {
+  %p = f32[4,8]{1,0} parameter(0)
+  %w = f32[8,8]{1,0} constant({...})
+  ROOT %d = f32[4,8]{1,0} dot(%p, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+%heavy (p: f32[4,8]) -> f32[4,8] {
+  %p = f32[4,8]{1,0} parameter(0)
+  %w = f32[8,8]{1,0} constant({...})
+  %d = f32[4,8]{1,0} dot(%p, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %e = f32[4,8]{1,0} dot(%d, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %c = f32[4,8]{1,0} collective-permute(%e), channel_id=1, source_target_pairs={{0,1}}
+}
+%idle (p: f32[4,8]) -> f32[4,8] {
+  ROOT %p = f32[4,8]{1,0} parameter(0)
+}
+%body (t: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %t = (s32[], f32[4,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[4,8]{1,0} get-tuple-element(%t), index=1
+  %y = f32[4,8]{1,0} conditional(%i, %x, %x, %x), branch_computations={%light, %heavy, %idle}
+  ROOT %r = (s32[], f32[4,8]{1,0}) tuple(%i, %y)
+}
+ENTRY %main (x: f32[4,8]) -> f32[4,8] {
+  %x = f32[4,8]{1,0} parameter(0)
+  ROOT %w = (s32[], f32[4,8]{1,0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+}
+"""
+    s = hlo.summarize(text, devices=2)
+    one_dot = 2 * 4 * 8 * 8
+    assert s["flops"] == 6 * 2 * one_dot  # the heavy branch, 6 times; not all three branches
+    assert s["collectives"]["collective-permute"] == {"count": 6, "bytes": 6 * 4 * 8 * 4}
+
+
+def test_a_device_kind_is_matched_to_its_own_data_sheet():
+    """"GH200" contains "H200": the longest name that matches wins."""
+    assert hardware.for_device_kind("NVIDIA GH200 480GB").name == "GH200"
+    assert hardware.for_device_kind("NVIDIA H200").name == "H200"
+    assert hardware.for_device_kind("NVIDIA H100 80GB HBM3").name == "H100"
+    assert hardware.for_device_kind("AMD Instinct MI300X").name == "MI300X"
+    assert hardware.for_device_kind("cpu") is None

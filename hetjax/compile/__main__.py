@@ -27,6 +27,7 @@ def main(argv: list[str]) -> int:
     cli_lib.need("flatbuffers", "export", "python -m hetjax.compile (jax.export's serialization)")
     from hetjax.compile import profiles
     platforms = [profiles.check_platform(p.strip(), "--platforms") for p in ns.platforms.split(",")]
+    cli_lib.output_dir(ns.out, "--out")  # before compiling anything
     backend.virtual_cpu_devices(cli.device_count(cfg, ns.devices))
     from hetjax.compile import export
     from hetjax.mesh import describe, make_mesh

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -90,6 +91,7 @@ def export(cfg, mesh, platforms, out_dir) -> dict:
     prog = program.build(cfg, mesh)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)  # an export cut short leaves no manifest, so no artifact
     manifest = {"format": FORMAT, "jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__,
                 "platforms": list(platforms), "mesh": _mesh_record(mesh), "config_name": cfg.name,
                 "config_hash": config_hash(cfg), "config": config_lib.to_dict(cfg), "functions": {}}
@@ -100,7 +102,9 @@ def export(cfg, mesh, platforms, out_dir) -> dict:
         inputs, outputs = _io_records(exported, in_paths, mesh)
         manifest["functions"][name] = {"file": f"{name}.jax", "sha256": hashlib.sha256(blob).hexdigest(),
                                        "inputs": inputs, "outputs": outputs}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    partial = out / f"{MANIFEST}.partial"
+    partial.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(partial, out / MANIFEST)  # whole or not at all
     return manifest
 
 
@@ -108,7 +112,12 @@ def read_manifest(out_dir) -> dict:
     path = Path(out_dir) / MANIFEST
     if not path.is_file():
         raise ArtifactMismatch(f"{path}: no manifest; export first with python -m hetjax.compile")
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        raise ArtifactMismatch(f"{path}: unreadable manifest ({e}); export again with python -m hetjax.compile") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactMismatch(f"{path}: not a manifest (no JSON object); export again with python -m hetjax.compile")
     if manifest.get("format") != FORMAT:
         raise ArtifactMismatch(f"{path}: manifest format {manifest.get('format')}, this hetjax reads {FORMAT}")
     return manifest

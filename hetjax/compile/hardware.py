@@ -40,11 +40,10 @@ DEFAULT_HARDWARE = ("H100", "A100", "MI250X", "MI300X")
 
 
 def for_device_kind(kind: str) -> Hardware | None:
-    """The first record, in table order, whose name is in jax's `device_kind` (case-insensitive)."""
-    for name, hw in TABLE.items():
-        if name.lower() in kind.lower():
-            return hw
-    return None
+    """The record whose name is in jax's `device_kind` (case-insensitive); the longest such
+    name, so that "NVIDIA GH200 480GB" is a GH200, not an H200."""
+    found = [hw for name, hw in TABLE.items() if name.lower() in kind.lower()]
+    return max(found, key=lambda hw: len(hw.name), default=None)
 
 
 def get(name: str) -> Hardware:

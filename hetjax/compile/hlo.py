@@ -79,47 +79,62 @@ def _group_size(rest: str, devices: int) -> int:
 
 
 def summarize(text: str, devices: int) -> dict:
-    """FLOPs, matmul bytes and per-kind collective bytes of one run, per device."""
+    """FLOPs, matmul bytes and per-kind collective bytes of one run, per device.
+
+    A while loop counts its body `known_trip_count` times; a conditional runs one branch
+    per call, so it counts its costliest (by FLOPs): an upper bound, which for a
+    pipeline's ticks (one branch per tick and stage) is the lockstep tick's cost."""
     comps, entry = parse(text)
-    order = list(comps)
-    mult = {c: 0 for c in comps}
-    fused = set()
-    mult[entry] = 1
-    for comp in reversed(order):  # callees are printed before their callers
-        for _, _, opcode, _, rest in comps[comp]:
-            m = _TRIP.search(rest) if opcode == "while" else None
-            trip = int(m.group(1)) if m else 1
-            called = [(k, c) for k, c in _CALLS.findall(rest)]
-            for b in _BRANCHES.findall(rest):
-                called += [("branch", c.strip().lstrip("%")) for c in b.split(",")]
-            for kind, callee in called:
-                if callee in mult:
-                    mult[callee] += mult[comp] * (trip if kind in ("body", "condition") else 1)
-                    if opcode == "fusion" or kind == "to_apply":
-                        fused.add(callee)
-    flops = matmul_bytes = 0.0
-    collectives = {k: {"count": 0, "bytes": 0.0} for k in COLLECTIVES}
-    for comp, instrs in comps.items():
-        n = mult[comp]
-        if not n:
-            continue
+    memo: dict = {}
+
+    def cost(comp: str, fused: bool) -> list:
+        """[flops, matmul bytes, {kind: [count, bytes]}] of one call of `comp`."""
+        if (comp, fused) in memo:
+            return memo[comp, fused]
+        flops = matmul_bytes = 0.0
+        coll = {k: [0, 0.0] for k in COLLECTIVES}
+
+        def add(sub, times):
+            nonlocal flops, matmul_bytes
+            flops += times * sub[0]
+            matmul_bytes += times * sub[1]
+            for k, (n, b) in sub[2].items():
+                coll[k][0] += times * n
+                coll[k][1] += times * b
+
+        instrs = comps[comp]
         shapes = {name: shape for name, shape, *_ in instrs}
-        for name, shape, opcode, operands, rest in instrs:
+        for _, shape, opcode, operands, rest in instrs:
             # Only dots and collectives need their operands' bytes: most instructions don't.
             operand_bytes = lambda: sum(shape_bytes(shapes.get(o, "")) for o in operands)  # noqa: E731
             if opcode == "dot":
                 lhs = _dims(shapes.get(operands[0], ""))
                 m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
                 contracted = math.prod(lhs[int(i)] for i in m.group(1).split(",") if i) if m and lhs else 1
-                flops += n * 2 * math.prod(_dims(shape)) * contracted
-                matmul_bytes += n * (operand_bytes() + shape_bytes(shape))
-            if comp in fused:
-                continue
+                flops += 2 * math.prod(_dims(shape)) * contracted
+                matmul_bytes += operand_bytes() + shape_bytes(shape)
             kind = opcode.removesuffix("-start")
-            if kind in collectives:
+            if kind in coll and not fused:
                 g = _group_size(rest, devices)
                 factor = {"all-gather": g - 1, "reduce-scatter": (g - 1) / g, "all-to-all": (g - 1) / g,
                           "all-reduce": 2 * (g - 1) / g, "collective-permute": 1}[kind]
-                collectives[kind]["count"] += n
-                collectives[kind]["bytes"] += n * operand_bytes() * factor
-    return {"flops": flops, "matmul_bytes": matmul_bytes, "collectives": collectives}
+                coll[kind][0] += 1
+                coll[kind][1] += operand_bytes() * factor
+            m = _TRIP.search(rest) if opcode == "while" else None
+            trip = int(m.group(1)) if m else 1
+            for k, callee in _CALLS.findall(rest):
+                if callee in comps and k not in ("true_computation", "false_computation"):
+                    add(cost(callee, fused or opcode == "fusion" or k == "to_apply"),
+                        trip if k in ("body", "condition") else 1)
+            branches = [c for k, c in _CALLS.findall(rest) if k in ("true_computation", "false_computation")]
+            for b in _BRANCHES.findall(rest):
+                branches += [c.strip().lstrip("%") for c in b.split(",")]
+            branches = [c for c in branches if c in comps]
+            if branches:
+                add(max((cost(c, fused) for c in branches), key=lambda s: (s[0], s[1])), 1)
+        memo[comp, fused] = [flops, matmul_bytes, coll]
+        return memo[comp, fused]
+
+    flops, matmul_bytes, coll = cost(entry, False)
+    return {"flops": flops, "matmul_bytes": matmul_bytes,
+            "collectives": {k: {"count": n, "bytes": b} for k, (n, b) in coll.items()}}

@@ -31,6 +31,8 @@ def parse_mesh(text: str, devices: int, flag: str = "--mesh") -> MeshConfig:
             raise ConfigError(f"{flag}={text!r}: {part!r} is not AXIS=SIZE with AXIS one of {MESH_AXES}")
         if not value.isdigit() or int(value) < 1:
             raise ConfigError(f"{flag}={text!r}: {axis}={value!r} must be a positive integer")
+        if axis in sizes:
+            raise ConfigError(f"{flag}={text!r} names {axis} twice: give each axis once")
         sizes[axis] = int(value)
     sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
     if math.prod(sizes.values()) != devices:
@@ -56,6 +58,14 @@ def estimate_step(report: dict, hw: hardware.Hardware) -> dict:
     return {"compute_s": compute, "memory_s": mem, "collective_s": comm, "step_s": step_time,
             "mfu": report["model_flops"] / step_time / hw.peak_flops,
             "fits": report["peak_bytes"] <= hw.memory_bytes}
+
+
+def check_as_the_trainer_does(cfg, mesh) -> None:
+    """The trainer's checks of a layout that come after config validation (the model
+    splits over the mesh; not too many parameter bytes left unsplit), without compiling."""
+    from hetjax import sharding
+    prog = program.build(cfg, mesh)
+    sharding.check_replication(prog.layouts, mesh, cfg.sharding.max_replicated_fraction)
 
 
 def plan(cfg, mesh, hardware_names=DEFAULT_HARDWARE) -> dict:
