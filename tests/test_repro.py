@@ -3,6 +3,7 @@
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import shutil
 
@@ -187,6 +188,32 @@ def test_the_same_config_twice_and_a_resumed_run_are_bit_identical(tmp_path, sma
     assert r.identical and r.code == 0 and r.max_loss_gap == 0.0, compare.describe(r)
     assert r.digests_equal == [0, 10, 20] and r.steps == list(range(20))
     assert repro_main(["compare", str(a), str(b)]) == 0 and (b / "compare.png").stat().st_size > 0
+    # A plot that cannot be written leaves the verdict and its exit code alone.
+    assert repro_main(["compare", str(a), str(b), "--plot", str(a / "fingerprints.jsonl" / "x.png")]) == 0
+
+    # NaNs: the same NaN loss in both runs is a reproduced divergence, bit-identical; a NaN
+    # tensor norm on one side is no longer skipped by max() into "within tolerance".
+    def edited(name, edit):
+        rows = [json.loads(l) for l in (a / "fingerprints.jsonl").read_text().splitlines()]
+        for row in rows:
+            edit(row)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "fingerprints.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return tmp_path / name
+
+    def nan_at_5(row):
+        if row["kind"] == "step" and row["step"] >= 5:
+            row["loss"] = row["grad_norm"] = math.nan
+
+    def nan_norm(row):
+        nan_at_5(row)
+        if row["kind"] == "params" and row["step"] == 20:
+            row["norms"][sorted(row["norms"])[0]] = math.nan
+
+    r = compare.compare(edited("nan1", nan_at_5), edited("nan2", nan_at_5))
+    assert r.identical and r.first_loss_diff is None and r.first_grad_norm_diff is None, compare.describe(r)
+    r = compare.compare(edited("nan3", nan_at_5), edited("nan4", nan_norm))
+    assert not r.within and r.max_norm_drift == math.inf, compare.describe(r)
 
 
 def test_a_changed_learning_rate_or_data_seed_is_caught(tmp_path, small, capsys):

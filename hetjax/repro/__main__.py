@@ -63,13 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             report = compare_lib.compare(args.run_a, args.run_b, args.rtol, args.norm_rtol)
             print(compare_lib.describe(report))
             if report.steps:
-                try:  # the verdict stands without its picture: keep its exit code
-                    cli.need("matplotlib", "plot", "the comparison's plot")
-                except config_lib.ConfigError as e:
-                    print(f"no plot: {e}", file=sys.stderr)
-                    return report.code
-                path = compare_lib.plot(args.run_a, args.run_b, args.plot or Path(args.run_b) / "compare.png")
-                print(f"plot: {path}")
+                compare_lib.plot_or_say_why_not(args.run_a, args.run_b, args.plot or Path(args.run_b) / "compare.png")
             return report.code
         overrides = cli.parse_command_line(["--config", args.config, *rest], flags=()).overrides
         if args.command == "init":

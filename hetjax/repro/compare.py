@@ -13,6 +13,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+from hetjax.errors import ConfigError
 from hetjax.repro.record import read
 
 # Tolerances for runs that are expected to be close but not identical (other layouts,
@@ -85,9 +86,17 @@ class Report:
                 f"relative norm drift {self.max_norm_drift:.3g} (norm_rtol {self.norm_rtol:g})")
 
 
+def _same(a: float, b: float) -> bool:
+    """Equal, with NaN equal to NaN: a reproduced divergence is reproduced."""
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
 def _rel(a: float, b: float) -> float:
-    if a == b:
+    """The relative gap; inf where only one side is finite (max() would skip a NaN)."""
+    if _same(a, b):
         return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
     return abs(a - b) / max(abs(a), abs(b), 1e-30)
 
 
@@ -126,8 +135,8 @@ def compare(run_a: str | Path, run_b: str | Path, rtol: float = LOSS_RTOL,
     steps = sorted(set(sa) & set(sb))
     first = lambda pred: next((s for s in steps if pred(s)), None)  # noqa: E731
     first_data = first(lambda s: sa[s]["batch"] != sb[s]["batch"])
-    first_loss = first(lambda s: sa[s]["loss"] != sb[s]["loss"])
-    first_gn = first(lambda s: sa[s]["grad_norm"] != sb[s]["grad_norm"])
+    first_loss = first(lambda s: not _same(sa[s]["loss"], sb[s]["loss"]))
+    first_gn = first(lambda s: not _same(sa[s]["grad_norm"], sb[s]["grad_norm"]))
     gaps = {s: _rel(sa[s]["loss"], sb[s]["loss"]) for s in steps}
     worst = max(gaps, key=gaps.get, default=None)
     pboth = sorted(set(pa) & set(pb))
@@ -182,6 +191,18 @@ def describe(r: Report, top: int = 5) -> str:
             lines += [f"  {k:<32} {v:.3g}" for k, v in worst]
     lines.append(r.verdict)
     return "\n".join(lines)
+
+
+def plot_or_say_why_not(run_a: str | Path, run_b: str | Path, path: str | Path, echo=print) -> None:
+    """Draws plot(); when it cannot (no matplotlib, an unwritable path) says why instead:
+    the verdict stands without its picture, and so does its exit code."""
+    from hetjax import cli
+    try:
+        cli.need("matplotlib", "plot", "the comparison's plot")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        echo(f"plot: {plot(run_a, run_b, path)}")
+    except (ConfigError, OSError) as e:
+        echo(f"no plot: {e}")
 
 
 def plot(run_a: str | Path, run_b: str | Path, path: str | Path) -> Path:

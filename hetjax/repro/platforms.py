@@ -95,5 +95,5 @@ def compare_platforms(config: str, overrides: dict, out: str | Path, platforms=(
         runs.append(run_dir)
     report = compare_lib.compare(runs[0], runs[1], rtol, norm_rtol)
     echo(compare_lib.describe(report), flush=True)
-    echo(f"plot: {compare_lib.plot(runs[0], runs[1], out / 'compare.png')}", flush=True)
+    compare_lib.plot_or_say_why_not(runs[0], runs[1], out / "compare.png", echo)
     return report.code
