@@ -153,8 +153,8 @@ class WandbRun:
     def log(self, step: int, scalars: dict) -> None:
         self.run.log({"step": step, **scalars})
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)  # a crashed run shows as failed
 
 
 def start_wandb(w: WandbConfig, run_dir: Path, config: dict, writes: bool | None) -> WandbRun | None:
@@ -175,13 +175,16 @@ BAR_KEYS = ("loss", "eval_loss", "mfu")  # the progress bar's postfix: 80 column
 class Writer:
     """Writes each step's scalars to metrics.jsonl and TensorBoard; shows progress."""
 
-    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool = True, wandb: WandbRun | None = None):
+    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool = True, wandb: WandbRun | None = None,
+                 start_step: int = 0):
+        """start_step: where a resumed run goes on; TensorBoard drops its earlier events from
+        there on, as truncate() does for metrics.jsonl, so re-run steps do not show twice."""
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self.wandb = wandb
         self.tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step or None)
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -208,9 +211,10 @@ class Writer:
         elif echo:
             print(f"step {step}: {text}", flush=True)
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = 10.0, failed: bool = False) -> None:
         """Closes the files; never blocks for more than `timeout_s`: tensorboardX's close
-        joins its event thread, which a signal landing inside its queue can leave stuck."""
+        joins its event thread, which a signal landing inside its queue can leave stuck.
+        failed: the run ends on an error (W&B marks it failed)."""
         self.jsonl.close()
         if self.tb is not None:
             closer = threading.Thread(target=self.tb.close, daemon=True, name="hetjax-tensorboard-close")
@@ -222,7 +226,7 @@ class Writer:
         if self.bar is not None:
             self.bar.close()
         if self.wandb is not None:
-            self.wandb.close()
+            self.wandb.close(failed)
 
 
 def truncate(run_dir: Path, start: int, name: str = "metrics.jsonl") -> None:

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         config_lib.save(cfg, run_dir / "config.json")
         metrics.truncate(run_dir, start)
         writer = metrics.Writer(run_dir, cfg.steps, cfg.tensorboard, metrics.start_wandb(
-            cfg.wandb, run_dir, config_lib.to_dict(cfg), job.writes_fingerprints))
+            cfg.wandb, run_dir, config_lib.to_dict(cfg), job.writes_fingerprints), start)
         recorder = repro.Recorder(run_dir, cfg, job.mesh, None, start, write=job.writes_fingerprints)
         profiler = Profiler(cfg.profile_steps, run_dir / "profile", log)
     except BaseException:
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         profiler.close()
         clock.close()
         batches.close()
-        writer.close()
+        writer.close(failed=sys.exc_info()[0] is not None)  # in `finally`: the error on its way out
         recorder.close()
         ckpt.close()
         job.close()

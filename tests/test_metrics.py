@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import termios
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,35 @@ def test_a_run_logs_its_data_wait_both_mfus_and_no_memory_peak_on_cpu(tmp_path_f
         assert 0.1 <= row["data_wait_time"] < 0.1 + row["step_time"] + 1.0, row
         assert row["mfu_maxtext"] == pytest.approx(row["mfu"] * ratio, rel=1e-12)
         assert "peak_memory_gib" not in row
+
+
+def _tb_events(path):
+    """Every Event of a TensorBoard file (TFRecords: length, its crc, data, its crc)."""
+    import struct
+    from tensorboardX.proto import event_pb2
+    data, pos, out = path.read_bytes(), 0, []
+    while pos + 12 <= len(data):
+        (length,) = struct.unpack("<Q", data[pos:pos + 8])
+        event = event_pb2.Event()
+        event.ParseFromString(data[pos + 12:pos + 12 + length])
+        out.append(event)
+        pos += 12 + length + 4
+    return out
+
+
+def test_a_resumed_run_tells_tensorboard_to_drop_the_steps_it_runs_again(tmp_path):
+    """metrics.jsonl is truncated at the resume step; TensorBoard showed steps run twice."""
+    from hetjax.metrics import Writer
+    first = Writer(tmp_path, 6, tensorboard=True)
+    for s in range(6):
+        first.write(s, {"loss": float(s)})
+    first.close()
+    time.sleep(1.1)  # event files are named by the second they start
+    again = Writer(tmp_path, 6, tensorboard=True, start_step=4)
+    for s in (4, 5):
+        again.write(s, {"loss": 10.0 + s})
+    again.close()
+    files = sorted((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(files) == 2
+    starts = [(e.step, e.session_log.status) for e in _tb_events(files[1]) if e.HasField("session_log")]
+    assert starts == [(4, 1)]  # SessionLog.START at step 4: readers drop the first file's later events

@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,27 @@ def test_a_wandb_project_without_wandb_installed_names_the_extra(monkeypatch):
     with pytest.raises(MissingExtra, match=r"config\.wandb\.project='p'.*pip install 'hetjax\[wandb\]'"):
         validate(Config(wandb=WandbConfig(project="p")))
     validate(Config())  # no project: wandb is never imported
+
+
+def test_a_run_that_fails_is_marked_failed_in_wandb(tmp_path, monkeypatch):
+    """train.py closes its writer in a `finally`; a crashed or diverged run used to be
+    recorded as finished with exit code 0."""
+    pytest.importorskip("wandb")
+    from hetjax import metrics
+    for k, v in dict(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_BASE_URL="http://127.0.0.1:9",
+                     HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9").items():
+        monkeypatch.setenv(k, v)
+    codes = []
+    for name, failed in (("ok", False), ("failed", True)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        writer = metrics.Writer(run_dir, 2, tensorboard=False,
+                                wandb=metrics.WandbRun(WandbConfig(project="hetjax-test"), run_dir, {"name": name}))
+        writer.write(0, {"loss": 1.0})
+        writer.close(failed=failed)
+        path, deadline, exits = next(run_dir.glob("wandb/offline-run-*/run-*.wandb")), time.monotonic() + 30, []
+        while not exits and time.monotonic() < deadline:  # wandb's service may write it just after finish()
+            exits = [x.exit.exit_code for x in wandb_records(path) if x.WhichOneof("record_type") == "exit"]
+            time.sleep(0.2)
+        codes += exits
+    assert codes == [0, 1]
