@@ -215,6 +215,16 @@ def test_the_same_config_twice_and_a_resumed_run_are_bit_identical(tmp_path, sma
     r = compare.compare(edited("nan3", nan_at_5), edited("nan4", nan_norm))
     assert not r.within and r.max_norm_drift == math.inf, compare.describe(r)
 
+    # A run resumed with another learning rate: the config diff is the one it ended with.
+    resumed = edited("resumed", lambda row: None)
+    rows = [json.loads(l) for l in (resumed / "fingerprints.jsonl").read_text().splitlines()]
+    header = json.loads(json.dumps(rows[0]))
+    header["step"] = 10
+    header["config"]["optim"]["learning_rate"] = 1e-3
+    at = next(i for i, r in enumerate(rows) if r["kind"] == "step" and r["step"] == 10)
+    (resumed / "fingerprints.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:at] + [header] + rows[at:]))
+    assert compare.compare(a, resumed).config_diff == {"optim.learning_rate": (3e-3, 1e-3)}
+
 
 def test_a_changed_learning_rate_or_data_seed_is_caught(tmp_path, small, capsys):
     base = train(tmp_path / "base", small)

@@ -147,8 +147,9 @@ def compare(run_a: str | Path, run_b: str | Path, rtol: float = LOSS_RTOL,
         na, nb = pa[norm_step]["norms"], pb[norm_step]["norms"]
         drift = {k: _rel(na[k], nb[k]) if k in nb else math.inf for k in na}
         drift.update({k: math.inf for k in nb if k not in na})
-    cfg_a = ha[0].get("config", {}) if ha else {}
-    cfg_b = hb[0].get("config", {}) if hb else {}
+    # The config each run ended with: a run resumed with other settings has a header per start.
+    cfg_a = ha[-1].get("config", {}) if ha else {}
+    cfg_b = hb[-1].get("config", {}) if hb else {}
     where = lambda h: " + ".join(  # noqa: E731
         f"{x['platform']} ({x['device_kind']}, jax {x['jax']}, {x['profile']}, mesh "
         f"{','.join(f'{k}={v}' for k, v in x['mesh'].items() if v != 1) or 'one device'})" for x in h) or "?"
