@@ -167,6 +167,8 @@ class MeshJob:
         # start from config.init_from's weights; else initialise.
         restored = self.checkpoints.restore_latest(prog.state, prog.state_shardings, log)
         if restored is not None:
+            if prog.plan is not None and prog.plan.layout.padded:
+                self._check_padded_rows(restored.step)
             self.state, self.start = restored.state, restored.step
             log(f"resumed from step {self.start} of {self.checkpoints.directory} "
                 f"(parameter checksum {checkpoint.params_checksum_of(restored.meta)})")
@@ -183,6 +185,20 @@ class MeshJob:
             self.batches.set_state(restored.data_state)  # refuses a state saved for other data
             assert self.batches.get_state()["step"] == self.start, (self.batches.get_state(), self.start)
         self.peak, self.peak_source = metrics.peak_flops(cfg, list(mesh.devices.flat))
+
+    def _check_padded_rows(self, step: int) -> None:
+        """An uneven split is saved as the pipeline holds it, padding rows included, and two
+        splits with the same padded shape (stage_layers (3, 1) and (1, 3)) would restore into
+        each other without an error, their layers scrambled: refuse another split."""
+        saved = self.checkpoints.read_json(step, "config").config
+        saved_split = (saved["mesh"]["pipeline"], tuple(saved["pipeline"]["stage_layers"]))
+        split = (self.cfg.mesh.pipeline, tuple(self.cfg.pipeline.stage_layers))
+        if saved_split != split:
+            raise ConfigError(
+                f"config.pipeline.stage_layers={split[1]} (config.mesh.pipeline={split[0]}): "
+                f"{self.checkpoints.where(step)} holds the layers of stage_layers={saved_split[1]} "
+                f"(config.mesh.pipeline={saved_split[0]}) as that pipeline lays them out, with padding; "
+                f"resume with those (no other uneven split can read this checkpoint)")
 
     @property
     def stop_requested(self) -> bool:

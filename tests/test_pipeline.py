@@ -151,6 +151,20 @@ def test_the_command_draws_every_schedule_the_interleaved_ones_included(capsys):
     assert "F0.1" in out and "B3.0" in out  # micro-batch 0 through chunk 1, 3's backward through chunk 0
     assert main(["--schedule", "1f1b", "--virtual-stages", "2"]) == 2
     assert "virtual_stages=2" in capsys.readouterr().err
+    assert main(["--virtual-stages", "0"]) == 2  # was taken for the default, 2
+    assert "--virtual-stages=0" in capsys.readouterr().err
+
+
+def test_the_command_names_its_pictures_by_the_file_name_only(tmp_path, capsys, monkeypatch):
+    """A dot in a directory name was taken for the extension's."""
+    from hetjax.pipeline import __main__ as command
+    drawn = []
+    monkeypatch.setattr(command, "plot", lambda schedule, path: drawn.append(path))
+    where = tmp_path / "runs.v2"
+    assert command.main(["--stages", "2", "--microbatches", "2", "--png", str(where / "t")]) == 0
+    assert drawn and all(p.startswith(str(where / "t_")) and p.endswith(".png") for p in drawn), drawn
+    assert command.main(["--schedule", "gpipe", "--png", str(where / "one")]) == 0
+    assert drawn[-1] == str(where / "one.png") and f"wrote {where / 'one.png'}" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------
@@ -456,6 +470,8 @@ def test_1f1b_memory_does_not_grow_with_microbatches_like_gpipe():
      r"batch_size=8 is not divisible by config.pipeline.microbatches=3"),
     (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("pipedream")), r"schedule='pipedream'"),
     (dict(mesh=MeshConfig(pipeline=2), optim=OptimConfig(grad_accum_steps=2)), r"grad_accum_steps=2"),
+    (dict(mesh=MeshConfig(pipeline=-1, fsdp=1), optim=OptimConfig(grad_accum_steps=2)),
+     r"grad_accum_steps=2 with config.mesh.pipeline=-1"),  # the pipelined step ignored it
     (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("gpipe", virtual_stages=0)), r"virtual_stages=0"),
     (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("1f1b", virtual_stages=2)),
      r"virtual_stages=2 with config.pipeline.schedule='1f1b'"),
@@ -504,3 +520,16 @@ def test_an_interleaved_pipeline_checkpoints_in_the_model_layer_order(tmp_path):
     assert restored.step == 1
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state)))
     ckpt.close()
+
+
+def test_an_uneven_split_s_checkpoint_is_refused_by_another_uneven_split(tmp_path):
+    """(3, 1) and (1, 3) pad to the same shapes: the second used to resume the first's
+    checkpoint without an error, model layers in padding rows and padding as layers."""
+    from hetjax import train
+    args = ["--config", "tiny.py", f"--config.run_dir={tmp_path / 'run'}", "--config.model.num_layers=4",
+            "--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.schedule=1f1b_fused",
+            "--config.pipeline.microbatches=2", "--config.eval_every=0", "--config.tensorboard=false"]
+    assert train.main([*args, "--config.steps=1", "--config.pipeline.stage_layers=(3,1)"]) == 0
+    with pytest.raises(ConfigError, match=r"config.pipeline.stage_layers=\(1, 3\).*stage_layers=\(3, 1\)"):
+        train.main([*args, "--config.steps=2", "--config.pipeline.stage_layers=(1,3)"])
+    assert train.main([*args, "--config.steps=2", "--config.pipeline.stage_layers=(3,1)"]) == 0  # the same resumes

@@ -3,9 +3,11 @@
 schedule, and the interleaved ones with --virtual-stages (default 2) chunks per stage,
 these also in the order each island runs them (the cross-island pipeline's schedule)."""
 
+import os
 import sys
 
 from hetjax import cli
+from hetjax.errors import ConfigError
 from hetjax.pipeline.schedule import KINDS, VIRTUAL_KINDS, island_orders, make_schedule, plot, timeline
 
 
@@ -24,6 +26,8 @@ def main(argv=None) -> int:
 
 def draw(args) -> int:
     """Prints (and with --png draws) the schedules `args` asks for."""
+    if args.virtual_stages is not None and args.virtual_stages < 1:
+        raise ConfigError(f"--virtual-stages={args.virtual_stages}: must be at least 1 (1: no interleaving)")
     if args.schedule:
         wanted = [(args.schedule, args.virtual_stages or 1)]
     else:
@@ -38,8 +42,9 @@ def draw(args) -> int:
             print(island_orders(schedule), end="\n\n")
         if args.png:
             # Several schedules: one file each, named after the schedule.
-            stem, dot, ext = args.png.rpartition(".") if "." in args.png else (args.png, ".", "png")
-            path = args.png if len(schedules) == 1 else f"{stem}_{schedule.kind}_v{schedule.virtual}{dot}{ext}"
+            stem, ext = os.path.splitext(args.png)
+            ext = ext or ".png"  # matplotlib's default, said so in the path printed
+            path = stem + ext if len(schedules) == 1 else f"{stem}_{schedule.kind}_v{schedule.virtual}{ext}"
             plot(schedule, path)
             print(f"wrote {path}")
     return 0

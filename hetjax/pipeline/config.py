@@ -49,12 +49,14 @@ def validate_pipeline(cfg) -> None:
         raise ConfigError(f"config.pipeline.virtual_stages={V} with config.pipeline.schedule={p.schedule!r}: "
                           f"interleaved stages run with {' or '.join(VIRTUAL_SCHEDULES)}; set "
                           f"virtual_stages=1 or change the schedule")
-    if stages == 1 or (stages == -1 and not p.stage_layers):
+    if stages == 1:
         return
-    if cfg.optim.grad_accum_steps != 1:
+    if cfg.optim.grad_accum_steps != 1:  # -1 too: the pipelined step would ignore it
         raise ConfigError(
             f"config.optim.grad_accum_steps={cfg.optim.grad_accum_steps} with config.mesh.pipeline="
             f"{stages}: the pipeline already splits the batch; set config.pipeline.microbatches instead")
+    if stages == -1 and not p.stage_layers:
+        return
     if V > 1 and p.stage_layers:
         raise ConfigError(f"config.pipeline.stage_layers={p.stage_layers} with config.pipeline.virtual_stages="
                           f"{V}: interleaved chunks split the layers evenly; set stage_layers=()")
