@@ -147,9 +147,11 @@ def check(config: str, layouts: str, out: str | Path, overrides: dict | None = N
           devices: int = 8, fingerprint_every: int = 10, rtol: float = compare_lib.LOSS_RTOL,
           norm_rtol: float = compare_lib.NORM_RTOL, timeout: float = 1800, echo=print) -> tuple[int, list]:
     """Runs every layout and compares each with the first. Returns (exit code, rows)."""
-    for key, flag in (("steps", "--steps"), ("fingerprint_every", "--fingerprint-every")):
-        if key in (overrides or {}):  # check sets them itself: an override would be ignored
-            raise ConfigError(f"--config.{key}={overrides[key]}: hetjax.repro check sets it; use {flag} instead")
+    for key, flag, value in (("steps", "--steps", steps), ("fingerprint_every", "--fingerprint-every",
+                                                         fingerprint_every)):
+        if str((overrides or {}).get(key, value)) != str(value):  # check sets it: the override would be ignored
+            raise ConfigError(f"--config.{key}={overrides[key]}: hetjax.repro check sets it to {value}; "
+                              f"use {flag} instead")
     overrides = {**(overrides or {}), "steps": str(steps), "fingerprint_every": str(fingerprint_every)}
     cfg = config_lib.load(config, overrides)  # a bad key or value fails before any run
     lays = [layout(name, sizes, cfg, devices, config) for name, sizes in parse(layouts)]

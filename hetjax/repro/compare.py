@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from pathlib import Path
 
 from hetjax.errors import ConfigError
@@ -203,7 +204,7 @@ def plot_or_say_why_not(run_a: str | Path, run_b: str | Path, path: str | Path, 
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         echo(f"plot: {plot(run_a, run_b, path)}")
     except (ConfigError, OSError) as e:
-        echo(f"no plot: {e}")
+        print(f"no plot: {e}", file=sys.stderr, flush=True)
 
 
 def plot(run_a: str | Path, run_b: str | Path, path: str | Path) -> Path:
