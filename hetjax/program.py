@@ -82,15 +82,24 @@ class Program:
 def build(cfg, mesh: Mesh) -> Program:
     """Checks that the model splits over `mesh` (ConfigError naming the field if not),
     then builds the abstract state and its shardings. Allocates nothing."""
-    plan = make_plan(cfg, mesh)  # None unless config.mesh.pipeline > 1
+    plan = check_splits(cfg, mesh)
     r = rules(cfg, plan)
-    sharding.check_divisible(dims(cfg, plan), r, mesh)
-    sharding.check_batch_divisible(cfg.batch_size, cfg.seq_len, r, mesh)  # the inputs' shardings
     tx = optim.make_optimizer(cfg.optim, cfg.steps)
     graphdef, state = abstract_state(cfg, tx, plan)
     layouts = sharding.param_layouts(state.params, mesh, r)
     return Program(cfg, mesh, tx, graphdef, state, state_lib.state_shardings(state, mesh, r),
                    batch_shardings(mesh, r), layouts, plan, r)
+
+
+def check_splits(cfg, mesh) -> Plan | None:
+    """The pipeline plan (None unless config.mesh.pipeline > 1), once the model and the batch
+    split over `mesh`: a ConfigError naming the field if not. Reads only mesh.shape, so an
+    AbstractMesh checks a layout without its devices."""
+    plan = make_plan(cfg, mesh)
+    r = rules(cfg, plan)
+    sharding.check_divisible(dims(cfg, plan), r, mesh)
+    sharding.check_batch_divisible(cfg.batch_size, cfg.seq_len, r, mesh)  # the inputs' shardings
+    return plan
 
 
 def rules(cfg, plan: Plan | None) -> tuple:

@@ -123,6 +123,13 @@ def test_layouts_are_parsed_and_bad_ones_refused():
         check.layout(name, sizes, CFG, 8, "tiny")
 
 
+def test_a_layout_the_model_cannot_split_is_refused_before_any_run(tmp_path, monkeypatch):
+    """It used to be found only when its turn came, after the earlier layouts had trained."""
+    monkeypatch.setattr(check, "run", lambda *a, **k: pytest.fail("trained before checking every layout"))
+    with pytest.raises(ConfigError, match=r"vocab_size=256 does not split over config.mesh.tensor=3"):
+        check.check("tiny", "fsdp=8; fsdp=2,tensor=3", tmp_path / "out", devices=6)
+
+
 # ---------------------------------------------------------------------------
 # End to end: real training runs (python -m hetjax.train in fresh processes).
 

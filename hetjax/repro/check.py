@@ -102,6 +102,15 @@ def layout(name: str, sizes: dict[str, int], cfg, devices: int, config: str = ""
     return Layout(name, overrides, devices)
 
 
+def _check_splits(cfg, devices: int) -> None:
+    """The trainer's divisibility checks on the layout's mesh, without its devices."""
+    from jax.sharding import AbstractMesh
+    from hetjax import program
+    from hetjax.mesh import resolve_shape
+    sizes = resolve_shape(cfg.mesh, devices)
+    program.check_splits(cfg, AbstractMesh(tuple(sizes.values()), tuple(sizes)))
+
+
 def slug(name: str) -> str:
     return re.sub(r"[^\w]+", "_", name.replace("=", "")).strip("_")
 
@@ -156,7 +165,10 @@ def check(config: str, layouts: str, out: str | Path, overrides: dict | None = N
     cfg = config_lib.load(config, overrides)  # a bad key or value fails before any run
     lays = [layout(name, sizes, cfg, devices, config) for name, sizes in parse(layouts)]
     for lay in lays:  # every layout's config is checked before the first run
-        config_lib.validate(config_lib.load(lay.config or config, {**overrides, **lay.overrides}))
+        lay_cfg = config_lib.load(lay.config or config, {**overrides, **lay.overrides})
+        config_lib.validate(lay_cfg)
+        if not lay_cfg.hetero.islands and lay.devices:  # one mesh: does the model split over it?
+            _check_splits(lay_cfg, lay.devices)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out={str(out)!r} is a file; give a new directory")
