@@ -54,6 +54,7 @@ class Restored:
     state: TrainState
     data_state: dict
     meta: dict
+    config: dict | None = None  # the config it was written with, as saved beside it
 
 
 class _LaterJsonHandler(ocp.JsonCheckpointHandler):
@@ -313,7 +314,7 @@ class Manager:
         meta = small.meta
         state = TrainState(step=jax.device_put(jnp.asarray(meta["step"], jnp.int32), shardings.step),
                            params=arrays.params, opt_state=arrays.opt_state)
-        return Restored(int(meta["step"]), state, small.data, meta)
+        return Restored(int(meta["step"]), state, small.data, meta, small.config)
 
     def read_json(self, step: int, *items: str):
         """The JSON items (meta, data, config) of checkpoint `step`, by name."""

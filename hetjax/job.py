@@ -168,7 +168,7 @@ class MeshJob:
         restored = self.checkpoints.restore_latest(prog.state, prog.state_shardings, log)
         if restored is not None:
             if prog.plan is not None and prog.plan.layout.padded:
-                self._check_padded_rows(restored.step)
+                self._check_padded_rows(restored.step, restored.config)
             self.state, self.start = restored.state, restored.step
             log(f"resumed from step {self.start} of {self.checkpoints.directory} "
                 f"(parameter checksum {checkpoint.params_checksum_of(restored.meta)})")
@@ -186,11 +186,10 @@ class MeshJob:
             assert self.batches.get_state()["step"] == self.start, (self.batches.get_state(), self.start)
         self.peak, self.peak_source = metrics.peak_flops(cfg, list(mesh.devices.flat))
 
-    def _check_padded_rows(self, step: int) -> None:
+    def _check_padded_rows(self, step: int, saved: dict) -> None:
         """An uneven split is saved as the pipeline holds it, padding rows included, and two
         splits with the same padded shape (stage_layers (3, 1) and (1, 3)) would restore into
         each other without an error, their layers scrambled: refuse another split."""
-        saved = self.checkpoints.read_json(step, "config").config
         saved_split = (saved["mesh"]["pipeline"], tuple(saved["pipeline"]["stage_layers"]))
         split = (self.cfg.mesh.pipeline, tuple(self.cfg.pipeline.stage_layers))
         if saved_split != split:

@@ -145,7 +145,7 @@ class Checkpoints:
                 for w in job.workers:  # every island holds it
                     w.manager.keep_from(step)
                 return checkpoint.Restored(step, [r.state for r in restored], restored[0].data_state,
-                                           restored[0].meta)
+                                           restored[0].meta, restored[0].config)
             for w in job.workers:  # someone could not read it: set it aside everywhere
                 if step in w.manager.steps():
                     w.manager.move_aside(step, log)
