@@ -42,13 +42,14 @@ def main(argv: list[str]) -> int:
     from hetjax.mesh import make_mesh
     # Every mesh passes the trainer's own checks before any compiles: a plan must not
     # recommend what `python -m hetjax.train` then refuses.
-    cfgs = [dataclasses.replace(cfg, mesh=m) for m in meshes]
-    for c in cfgs:
+    progs = []
+    for m in meshes:
+        c = dataclasses.replace(cfg, mesh=m)
         config_lib.validate(c)
-        plan.check_as_the_trainer_does(c, make_mesh(c.mesh))
+        progs.append(plan.check_as_the_trainer_does(c, make_mesh(m)))
     reports = []
-    for c in cfgs:
-        reports.append(plan.plan(c, make_mesh(c.mesh), names))
+    for p in progs:
+        reports.append(plan.plan(p.cfg, p.mesh, names, p))
         print(f"planned {reports[-1]['config']} on {reports[-1]['mesh']}", file=sys.stderr, flush=True)
     print(plan.table(reports))
     (out / "plan.json").write_text(json.dumps(reports, indent=1) + "\n")

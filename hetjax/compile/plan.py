@@ -60,18 +60,21 @@ def estimate_step(report: dict, hw: hardware.Hardware) -> dict:
             "fits": report["peak_bytes"] <= hw.memory_bytes}
 
 
-def check_as_the_trainer_does(cfg, mesh) -> None:
+def check_as_the_trainer_does(cfg, mesh) -> program.Program:
     """The trainer's checks of a layout that come after config validation (the model
-    splits over the mesh; not too many parameter bytes left unsplit), without compiling."""
+    splits over the mesh; not too many parameter bytes left unsplit), without compiling;
+    the abstract program they build, for plan()."""
     from hetjax import sharding
     prog = program.build(cfg, mesh)
     sharding.check_replication(prog.layouts, mesh, cfg.sharding.max_replicated_fraction)
+    return prog
 
 
-def plan(cfg, mesh, hardware_names=DEFAULT_HARDWARE) -> dict:
-    """Compiles `cfg`'s train step on `mesh` with abstract inputs; per-device figures."""
+def plan(cfg, mesh, hardware_names=DEFAULT_HARDWARE, prog: program.Program | None = None) -> dict:
+    """Compiles `cfg`'s train step on `mesh` with abstract inputs; per-device figures.
+    `prog`: program.build(cfg, mesh), when already built."""
     hws = [hardware.get(n) for n in hardware_names]
-    prog = program.build(cfg, mesh)
+    prog = prog or program.build(cfg, mesh)
     compiled = prog.compile_train_step()
     in_shardings = compiled.input_shardings[0][0]  # the TrainState's, as compiled
     compiler = aot.analysis(compiled)
