@@ -97,3 +97,18 @@ def test_compare_without_matplotlib_keeps_its_verdict_and_exit_code(tmp_path):
     assert "identical" in r.stdout.lower(), r.stdout
     _one_line(r, "plot")
     assert not (tmp_path / "b" / "compare.png").exists()
+
+
+def test_a_bad_number_is_one_error_line_and_exit_2_before_any_work():
+    """No traceback: the flag, its value and what it must be (a negative tolerance would
+    fail every comparison; the probe's counts are checked before any process starts)."""
+    cases = {("hetjax.transfer.probe", "--streams", "0"): "error: --streams=0: must be at least 1",
+             ("hetjax.repro", "compare", "a", "b", "--rtol", "-1"): "error: --rtol=-1.0: a tolerance",
+             ("hetjax.repro", "check", "--config", "tiny", "--fingerprint-every", "0"):
+                 "error: --fingerprint-every=0: must be at least 1"}
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    procs = {said: subprocess.Popen([sys.executable, "-m", *args], stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                    env=env) for args, said in cases.items()}
+    for said, p in procs.items():
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 2 and err.startswith(said) and "Traceback" not in err, (p.args, err)

@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--plot", default=None, help="PNG of both loss curves (default RUN_B/compare.png)")
     args, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
+        _check_numbers(args)
         if args.command == "compare":
             if rest:
                 p.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -83,6 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _check_numbers(args) -> None:
+    """A tolerance below 0 would fail every comparison, and a count below 1 compare nothing:
+    refused, naming the flag, before anything trains."""
+    for flag in ("rtol", "norm_rtol"):
+        if getattr(args, flag) < 0:
+            raise config_lib.ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: a tolerance "
+                                         f"is a relative gap, at least 0 (0: bit-identical)")
+    for flag in ("steps", "devices", "fingerprint_every"):
+        if getattr(args, flag, 1) < 1:
+            raise config_lib.ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be at least 1")
 
 
 if __name__ == "__main__":

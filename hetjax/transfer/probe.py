@@ -327,5 +327,16 @@ def main(argv=None):
     return rows
 
 
+def cli(argv=None) -> int:
+    """The command: 0 after the table; 2 after `error: ...` for bad input, 1 for a link
+    that failed (a silent peer, a refused secret), without a traceback."""
+    from hetjax import cli as cli_lib
+
+    def run():
+        main(argv)
+        return 0
+    return cli_lib.run_main(run)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())
