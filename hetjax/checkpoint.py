@@ -288,24 +288,34 @@ class Manager:
         """The newest checkpoint that reads and verifies, laid out by `shardings`;
         None if there is none. Damaged ones are reported and moved to `corrupt/`."""
         for step in reversed(self.steps()):
-            if notes := checkpoint_readable.marked(self.directory, step):  # left by the last start
-                log(f"warning: {self.where(step)} could not be read by every process of the last start "
-                    f"({', '.join(n.name for n in notes)})")
-                self.move_aside(step, log, why="partly unreadable")
-                continue
-            try:
-                return self.restore(step, abstract_state, shardings)
-            except CorruptCheckpoint as e:
-                log(f"warning: {e}")
-                if not checkpoint_readable.all_failed(self.directory, step, self.peer_timeout_s):
-                    note = checkpoint_readable.mark(self.directory, step, e)
-                    raise CheckpointError(
-                        f"process {jax.process_index()} cannot read {self.where(step)}, which the other "
-                        f"processes read, so the job cannot go on together and stops. Start it again: "
-                        f"every process then sets this step aside (as {note} says) and resumes from the "
-                        f"one before") from None
-                self.move_aside(step, log)
+            partly = bool(checkpoint_readable.marked(self.directory, step))
+            if (restored := self.restore_together(step, abstract_state, shardings, log)) is not None:
+                return restored
+            self.move_aside(step, log, why="partly unreadable" if partly else "damaged")
         return None
+
+    def restore_together(self, step: int, abstract_state: TrainState, shardings: TrainState,
+                         log=print) -> Restored | None:
+        """restore(step) as one of the job's processes: None when no process can use the
+        step (every one failed to read it, or the last start left a note that one could not),
+        for every process to set it aside; a CheckpointError that stops the job when this
+        process alone failed (hetjax/checkpoint_readable.py)."""
+        if notes := checkpoint_readable.marked(self.directory, step):  # left by the last start
+            log(f"warning: {self.where(step)} could not be read by every process of the last start "
+                f"({', '.join(n.name for n in notes)})")
+            return None
+        try:
+            return self.restore(step, abstract_state, shardings)
+        except CorruptCheckpoint as e:
+            log(f"warning: {e}")
+            if not checkpoint_readable.all_failed(self.directory, step, self.peer_timeout_s):
+                note = checkpoint_readable.mark(self.directory, step, e)
+                raise CheckpointError(
+                    f"process {jax.process_index()} cannot read {self.where(step)}, which the other "
+                    f"processes read, so the job cannot go on together and stops. Start it again: "
+                    f"every process then sets this step aside (as {note} says) and resumes from the "
+                    f"one before") from None
+            return None
 
     def restore(self, step: int, abstract_state: TrainState, shardings: TrainState) -> Restored:
         small, arrays = self.read(step, {"params": (abstract_state.params, shardings.params),

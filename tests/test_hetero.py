@@ -316,6 +316,16 @@ def test_virtual_islands_save_asynchronously_and_resume(tmp_path):
     assert sorted({r["step"] for r in rows if "loss" in r}) == list(range(8))
     for name in ("cuda", "rocm"):
         assert checkpoint.Manager(run_dir / "checkpoints" / name).steps() == [4, 6, 8]
+    # As if process 1 of the rocm island could not read step 8 at the last start (the note
+    # it leaves; hetjax/checkpoint_readable.py): every island sets step 8 aside and resumes at 6.
+    (run_dir / "checkpoints" / "rocm" / "8" / "unreadable-by-process-1.txt").write_text("damaged shard\n")
+    run = subprocess.run(args + ["--config.steps=10"], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "could not be read by every process of the last start (unreadable-by-process-1.txt)" in run.stdout
+    assert run.stdout.count("moved the partly unreadable checkpoint") == 1, run.stdout  # rocm's
+    assert "resumed every island from step 6" in run.stdout, run.stdout
+    assert len(list((run_dir / "checkpoints" / "corrupt").iterdir())) == 2  # both islands' step 8
 
 
 def test_an_island_ahead_never_deletes_the_last_step_a_lagging_island_holds(tmp_path):

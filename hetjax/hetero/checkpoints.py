@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from hetjax import checkpoint, optim
+from hetjax import checkpoint, checkpoint_readable, optim
 from hetjax import state as state_lib
 from hetjax.config import to_dict
 from hetjax.errors import ConfigError
@@ -47,7 +47,8 @@ def held_by_all(steps: list[int], rows) -> list[int]:
 def manager(cfg, name: str) -> checkpoint.Manager:
     """Island `name`'s manager: it keeps its last config.checkpoint.keep steps, and also
     every step from the newest one all islands hold (Checkpoints.save raises that)."""
-    return checkpoint.Manager(checkpoint.default_dir(cfg) / name, cfg.checkpoint, keep_from=0)
+    return checkpoint.Manager(checkpoint.default_dir(cfg) / name, cfg.checkpoint, keep_from=0,
+                              peer_timeout_s=cfg.hetero.timeout_s)
 
 
 class Checkpoints:
@@ -134,21 +135,19 @@ class Checkpoints:
             for w in job.workers:  # a newer step that not every island holds was never finished
                 for newer in [s for s in w.manager.steps() if s > step]:
                     w.manager.move_aside(newer, log, why="unfinished (not every island saved it)")
-            try:
-                restored = [w.manager.restore(step, a, s)  # as saved
-                            for w, a, s in zip(job.workers, abstract_states, shardings, strict=True)]
-                ok = 1
-            except checkpoint.CorruptCheckpoint as e:
-                log(f"warning: {e}")
-                ok = 0
-            if job.all_ok(ok, f"restore{step}"):
+            # as saved; None: no process of the island's world can use it (one that alone
+            # cannot read it stops the job, and the next start sets the step aside)
+            restored = [w.manager.restore_together(step, a, s, log)
+                        for w, a, s in zip(job.workers, abstract_states, shardings, strict=True)]
+            if job.all_ok(int(all(r is not None for r in restored)), f"restore{step}"):
                 for w in job.workers:  # every island holds it
                     w.manager.keep_from(step)
                 return checkpoint.Restored(step, [r.state for r in restored], restored[0].data_state,
                                            restored[0].meta, restored[0].config)
             for w in job.workers:  # someone could not read it: set it aside everywhere
                 if step in w.manager.steps():
-                    w.manager.move_aside(step, log)
+                    partly = checkpoint_readable.marked(w.manager.directory, step)
+                    w.manager.move_aside(step, log, why="partly unreadable" if partly else "unusable")
 
 
 def check_placement(cfg, saved: dict | None, where: str) -> None:
