@@ -426,3 +426,88 @@ def test_direct_names_a_disagreement_at_once():
         # cancelled); give it one, or this process would abort at exit (docs/DESIGN.md).
         a.send(jax.device_put(jnp.zeros(shape, dtype), x.sharding), f"t{k}", sh, peers={0: b.addresses})
     a.close(), b.close()
+
+
+def test_a_damaged_header_or_a_repeated_chunk_is_refused(monkeypatch):
+    """The checksum covers where a chunk lands, not only its bytes; and a piece's bytes
+    count once. Before, a bit flipped in a header's offset, or chunk 0 sent twice and
+    chunk 1 never, each completed the receive with wrong or unwritten elements."""
+    from hetjax.transfer import wire
+    one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P())
+    x = jax.device_put(jnp.arange(3072, dtype=jnp.int32), one)  # three chunks of 4096 bytes
+    like = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)
+    sendall = wire.sendall
+
+    def damaging(sock, data, peer):  # '6' -> '7' in the second chunk's offset: one bit
+        return sendall(sock, bytes(data).replace(b'"offset": 4096', b'"offset": 4097', 1), peer)
+
+    a, b = endpoints("host", timeout_s=5, chunk_bytes=4096)
+    try:
+        monkeypatch.setattr(wire, "sendall", damaging)
+        r = b.recv("t", like, one)
+        h = a.send(x, "t", one, peers={0: b.addresses})
+        with pytest.raises(TransferError, match="failed its xxh3 check: the data was corrupted"):
+            r.wait()
+        with pytest.raises(TransferError, match="refused the message"):
+            h.wait()
+        monkeypatch.setattr(wire, "sendall", sendall)
+        r = b.recv("u", like, one)
+        sock = wire.connect(b.addresses[0], LinkConfig().secret(), 5)
+        first = memoryview(np.arange(1024, dtype=np.int32).view(np.uint8))
+        meta = {"tag": "u", "leaves": 1, "leaf": 0, "piece": 0, "shape": [3072], "dtype": "int32",
+                "region": [[0, 3072]], "offset": 0, "n": 4096,
+                "sum": wire.chunk_sum(b.checksum, "u", 1, 0, 0, ((0, 3072),), 0, first)}
+        for _ in range(3):  # chunk 0 three times, chunks 1 and 2 never
+            wire.sendall(sock, wire.frame(wire.CHUNK, meta) + first.tobytes(), "b")
+        wire.sendall(sock, wire.frame(wire.END, {"tag": "u"}), "b")
+        with pytest.raises(TransferError, match=r"sent bytes 0\.\.4096 of leaf 0, piece 0 again"):
+            r.wait()
+        assert wire.read_frame(sock, "b", False, 5)[0] == wire.REFUSE
+        sock.close()
+    finally:
+        a.close(), b.close()
+
+
+@pytest.mark.parametrize("backend", ["local", "host"])
+def test_a_tree_or_layout_the_two_sides_disagree_on_is_named_not_moved(backend):
+    """Before, `local` cut a mis-declared source into the receiver's pieces and returned
+    wrong data, and dropped (or failed on) a leaf count that differed; `host` made a
+    receive of more leaves than sent wait out its timeout while the send succeeded."""
+    a, b = endpoints(backend, timeout_s=10)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    sent, claimed = NamedSharding(mesh, P("a", "b")), NamedSharding(mesh, P("b", "a"))
+    x = jax.device_put(jnp.arange(16, dtype=jnp.int32).reshape(4, 4), sent)
+    like = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sent)
+    try:
+        if backend == "local":  # host and direct already named it (tested above)
+            r = b.recv("t", like, claimed, peers={0: a.addresses})
+            a.send(x, "t", sent, peers={0: b.addresses})
+            with pytest.raises(TransferError, match="leaf 0 was sent from or to another layout"):
+                r.wait()
+        for k, (ours, theirs) in enumerate([([like, like], [x]), ([like], [x, x])]):
+            r = b.recv(f"n{k}", ours, [sent] * len(ours), peers={0: a.addresses})
+            h = a.send(theirs, f"n{k}", [sent] * len(theirs), peers={0: b.addresses})
+            t0 = time.monotonic()
+            with pytest.raises(TransferError, match=f"sen(t|ds) {len(theirs)} arrays but this receive expects "
+                                                    f"{len(ours)}"):
+                r.wait()
+            assert time.monotonic() - t0 < 5  # named at once, not after timeout_s
+            if backend == "host":
+                with pytest.raises(TransferError, match="refused the message"):
+                    h.wait()
+    finally:
+        a.close(), b.close()
+
+
+def test_sub_byte_dtypes_and_an_address_string_for_peers_are_refused_up_front():
+    a, b = endpoints("host")
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P())
+    try:
+        for dtype in (jnp.int4, jnp.uint4):
+            with pytest.raises(TransferError, match=f"leaf 0 is {np.dtype(dtype).name}, 4 bits an element"):
+                a.send(jax.device_put(jnp.ones((8,), dtype), sh), "q", sh, peers={0: b.addresses})
+        x = jax.device_put(jnp.ones((8,)), sh)
+        with pytest.raises(TransferError, match=r"peers\[0\]='127.0.0.1:1'; give a tuple of 'host:port' strings"):
+            a.send(x, "q", sh, peers={0: "127.0.0.1:1"})
+    finally:
+        a.close(), b.close()

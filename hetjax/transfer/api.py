@@ -103,6 +103,22 @@ def _check_dtype(what: str, i: int, dtype) -> None:
     if np.dtype(dtype).kind == "c":
         raise TransferError(f"{what}: leaf {i} is {np.dtype(dtype).name}; complex arrays are not transferred, "
                             f"send their real and imaginary parts (jnp.real, jnp.imag) as two arrays")
+    if _bits(dtype) < 8:  # int4, uint4, float4_e2m1fn
+        raise TransferError(f"{what}: leaf {i} is {np.dtype(dtype).name}, {_bits(dtype)} bits an element; XLA "
+                            f"bit-casts nothing narrower than a byte, so such arrays are not transferred: send "
+                            f"them packed two to a byte (uint8) or as int8")
+
+
+def _bits(dtype) -> int:
+    """Bits of one element (numpy stores an int4 in a whole byte)."""
+    import ml_dtypes
+    try:
+        return ml_dtypes.iinfo(dtype).bits
+    except ValueError:
+        try:
+            return ml_dtypes.finfo(dtype).bits
+        except ValueError:
+            return np.dtype(dtype).itemsize * 8
 
 
 def check_leaf(tag: str, i: int, got_shape, got_dtype, aval) -> None:

@@ -138,6 +138,9 @@ def check_peers(peers, processes, what: str, role: str) -> None:
         if not peers or not peers.get(p):
             raise TransferError(f"{what}: no address for {role} process {p}; pass "
                                 f"peers={{{p}: endpoint.addresses of that process}}")
+        if isinstance(peers[p], str) or not all(isinstance(a, str) and ":" in a for a in peers[p]):
+            raise TransferError(f"{what}: peers[{p}]={peers[p]!r}; give a tuple of 'host:port' strings, "
+                                f"the endpoint.addresses of that process (e.g. ({peers[p]!r},) for one)")
 
 
 def finished(result=None) -> futures.Future:

@@ -177,11 +177,17 @@ class DirectEndpoint(Endpoint):
                 raise TransferTimeout(
                     f"recv {tag!r}: source process {p} at {address} sent nothing matching, or not all "
                     f"of it, within {self.cfg.timeout_s:g} s of waiting (LinkConfig.timeout_s, which bounds "
-                    f"the whole transfer on this backend): it is gone, too slow for the limit, or its tag, "
-                    f"shapes, dtypes or layouts differ from this receive's")
+                    f"the whole transfer on this backend): it is gone, too slow for the limit, its tag, "
+                    f"shapes, dtypes or layouts differ from this receive's, or the two sides' shared "
+                    f"secrets differ ($HETJAX_TRANSFER_SECRET)")
             try:
                 arrays = future.result()
             except jax.errors.JaxRuntimeError as e:
+                if "deleted or donated" in str(e):  # the sender's handle is done at once on this backend
+                    raise TransferError(
+                        f"recv {tag!r}: source process {p} at {address} deleted or donated a sent array "
+                        f"before this process pulled it; with the direct backend a sender keeps what it "
+                        f"sent alive until the receiver has it ({e})") from None
                 # The sender died mid-pull: reported as the timeout a silent sender gives,
                 # so callers catch one error for a lost peer on every backend.
                 raise TransferTimeout(f"recv {tag!r}: lost source process {p} at {address} ({e})") from None

@@ -58,7 +58,7 @@ class _Inbox:
         self.lock = threading.Lock()
         self.activity = core.Activity()
         self.future = handle.future
-        self.buffers, self.left, self.group_left, self.blocks = {}, {}, {}, []
+        self.buffers, self.left, self.group_left, self.blocks, self.ranges = {}, {}, {}, [], {}
         for i, (aval, plan) in enumerate(zip(expect.avals, expect.plans)):
             self.blocks.append({})
             for j, piece in enumerate(plan.pieces):
@@ -69,6 +69,16 @@ class _Inbox:
                     self.group_left[i, piece.group] = self.group_left.get((i, piece.group), 0) + 1
         self.groups_left = len(self.group_left)
         self.process = endpoint.process
+
+    def claim(self, i: int, j: int, offset: int, n: int, peer) -> None:
+        """Refuses bytes of a piece that already arrived: counted twice, they would finish
+        the receive with other bytes never written (a repeated or stale chunk)."""
+        with self.lock:
+            ranges = self.ranges.setdefault((i, j), [])
+            if any(offset < end and start < offset + n for start, end in ranges):
+                raise TransferError(f"recv {self.tag!r}: peer {peer} sent bytes {offset}..{offset + n} of leaf {i}, "
+                                    f"piece {j} again; a message's bytes arrive once")
+            ranges.append((offset, offset + n))
 
     def arrived(self, i: int, j: int, n: int) -> None:
         """Counts n verified bytes of piece j of leaf i; finishes blocks and the receive."""
@@ -318,6 +328,9 @@ class HostEndpoint(Endpoint):
         if not isinstance(i, int) or not isinstance(j, int):
             raise TransferError(f"recv {tag!r}: peer {peer} sent a chunk header without leaf and piece numbers")
         avals, plans = inbox.expect.avals, inbox.expect.plans
+        if meta.get("leaves") != len(avals):
+            raise TransferError(f"recv {tag!r}: peer {peer} sends {meta.get('leaves')} arrays but this receive "
+                                f"expects {len(avals)}; both islands must agree on the tree")
         if not 0 <= i < len(avals):
             raise TransferError(f"recv {tag!r}: peer {peer} sent leaf {i}, but the receiver expects {len(avals)} leaves")
         check_leaf(tag, i, meta["shape"], jnp.dtype(meta["dtype"]), avals[i])
@@ -329,10 +342,11 @@ class HostEndpoint(Endpoint):
         offset, n = meta["offset"], meta["n"]
         if not (0 <= offset and offset + n <= buf.size):
             raise TransferError(f"recv {tag!r}: peer {peer} sent bytes {offset}..{offset + n} of a {buf.size}-byte piece")
+        inbox.claim(i, j, offset, n, peer)
         view = memoryview(buf)[offset:offset + n]
         inbox.handle.arriving()
         wire.recv_into(conn, view, peer)
-        if self.checksum(view) != meta["sum"]:
+        if wire.chunk_sum(self.checksum, tag, len(avals), i, j, region, offset, view) != meta["sum"]:
             raise TransferError(f"recv {tag!r}: a chunk from peer {peer} (leaf {i}, piece {j}, bytes "
                                 f"{offset}..{offset + n}) failed its {self.cfg.checksum} check: the data was corrupted")
         inbox.activity.touch()

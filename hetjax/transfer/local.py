@@ -12,7 +12,7 @@ import jax
 
 from hetjax.transfer import core
 from hetjax.transfer.api import Endpoint, check_leaf
-from hetjax.transfer.link import TransferTimeout
+from hetjax.transfer.link import TransferError, TransferTimeout
 
 _mailbox: dict[str, tuple] = {}
 _arrived = threading.Condition()
@@ -48,10 +48,16 @@ class LocalEndpoint(Endpoint):
                 if tag not in _mailbox and handle.overdue(self.cfg.timeout_s):
                     raise TransferTimeout(f"recv {tag!r}: nothing was sent within {self.cfg.timeout_s:g} s "
                                           f"of waiting for it (LinkConfig.timeout_s)")
-            leaves, _ = _mailbox.pop(tag)
+            leaves, plans = _mailbox.pop(tag)
+        if len(leaves) != len(expect.avals):
+            raise TransferError(f"recv {tag!r}: the sender sent {len(leaves)} arrays but this receive expects "
+                                f"{len(expect.avals)}; both islands must agree on the tree")
         received = []
-        for i, (x, aval, plan) in enumerate(zip(leaves, expect.avals, expect.plans)):
+        for i, (x, aval, plan) in enumerate(zip(leaves, expect.avals, expect.plans, strict=True)):
             check_leaf(tag, i, x.shape, x.dtype, aval)
+            if plans[i] != plan:  # both sides plan from (shape, source layout, destination layout)
+                raise TransferError(f"recv {tag!r}: leaf {i} was sent from or to another layout than this "
+                                    f"receive's `src`/`like` say; the two islands disagree on the layouts")
             receivers = list(aval.sharding.mesh.devices.flat)
             received += [(i, piece, jax.device_put(core.device_piece(x, plan, piece), receivers[piece.dst]))
                          for piece in plan.pieces]

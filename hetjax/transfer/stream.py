@@ -166,9 +166,9 @@ def _payload(data) -> memoryview:
 
 def _chunk_meta(job: Job, i: int, j: int, piece, offset: int, payload: memoryview, endpoint) -> dict:
     x = job.leaves[i]
-    return {"leaf": i, "piece": j, "shape": list(x.shape), "dtype": _dtype_name(x.dtype),
+    return {"leaves": len(job.leaves), "leaf": i, "piece": j, "shape": list(x.shape), "dtype": _dtype_name(x.dtype),
             "region": [list(r) for r in piece.region], "offset": offset, "n": payload.nbytes,
-            "sum": endpoint.checksum(payload)}
+            "sum": wire.chunk_sum(endpoint.checksum, job.tag, len(job.leaves), i, j, piece.region, offset, payload)}
 
 
 @functools.cache

@@ -36,6 +36,14 @@ CHECKSUM_FUNCTIONS = {"xxh3": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32, "ad
 SMALL = 64 << 10  # a chunk (or a whole message) this small goes out with its header(s) in one write
 
 
+def chunk_sum(checksum, tag: str, leaves: int, leaf: int, piece: int, region, offset: int, payload) -> int:
+    """A chunk's checksum: its payload's, seeded with the header fields that say where the
+    payload lands, so a damaged header (another offset, piece or message) is caught as
+    damaged data is. Every LinkConfig.checksum takes a starting value second."""
+    where = f"{tag}|{leaves}|{leaf}|{piece}|{','.join(f'{int(a)}:{int(b)}' for a, b in region)}|{offset}|{len(payload)}"
+    return checksum(payload, checksum(where.encode()))
+
+
 def _mac(secret: bytes, role: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, role + nonce, hashlib.sha256).digest()
 
