@@ -441,3 +441,35 @@ def fresh_state(params, tx, shardings: TrainState) -> TrainState:
 
 def default_dir(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
+
+
+def check_layout_kind(cfg) -> None:
+    """Refuses a job whose checkpoint directory holds another kind of job's checkpoints: a
+    one-mesh job's steps where islands would look in one folder per island, or the other
+    way round. Neither finds the other's, so the job would start from step 0 and rewrite
+    the run's metrics. Only the directory is read: before anything is built."""
+    d = default_dir(cfg)
+    if not d.is_dir():
+        return
+    steps = sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
+    folders = sorted(p.name for p in d.iterdir() if p.is_dir() and p.name != CORRUPT_DIR and not p.name.isdigit()
+                     and any(q.is_dir() and q.name.isdigit() for q in p.iterdir()))
+    ours = [i.name for i in cfg.hetero.islands]
+    if not ours and folders:
+        raise ConfigError(
+            f"{d} holds an islands job's checkpoints ({', '.join(folders)}), and this config has no "
+            f"islands: it would start from step 0 and rewrite the run's metrics. To go on as one mesh, put "
+            f"them together first (python -m hetjax.hetero.checkpoints --config ISLANDS_CONFIG "
+            f"--checkpoints={d} --out=DIR), then train with --config.checkpoint.dir=DIR; or give a new "
+            f"config.run_dir")
+    if ours and steps:
+        raise ConfigError(
+            f"{d} holds a one-mesh job's checkpoints (steps {steps}), and this config runs islands: they "
+            f"would start from step 0 and rewrite the run's metrics. Start the islands from its weights in "
+            f"a new run (--config.init_from={d / str(steps[-1])} --config.run_dir=NEW), or give a new "
+            f"config.run_dir")
+    if ours and (others := [f for f in folders if f not in ours]):
+        raise ConfigError(
+            f"{d} holds checkpoints of islands {others}, which config.hetero.islands does not name "
+            f"({ours}): this job would not resume them. Name the islands as the job that wrote them did, "
+            f"or give a new config.run_dir")

@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     dataset = data.build(cfg)  # bad data is reported before anything is compiled
     if cfg.init_from:
         checkpoint.find_checkpoint_dir(cfg.init_from)  # a wrong path fails before compiling
+    checkpoint.check_layout_kind(cfg)  # another kind of job's checkpoints: refused before compiling
 
     def log(text):
         print(text, flush=True)

@@ -475,3 +475,22 @@ def test_orbax_reports_survive_a_reset_hook_and_an_unwritable_file(tmp_path, cap
     assert task.get_coro().cr_frame is not None  # not closed
     task._log_destroy_pending = False
     task.get_coro().close()
+
+
+@pytest.mark.parametrize("config,folders,match", [
+    ("tiny.py", ("cuda/3", "rocm/3"), r"holds an islands job's checkpoints \(cuda, rocm\), and this config has no islands"),
+    ("tiny_hetero.py", ("3",), r"holds a one-mesh job's checkpoints \(steps \[3\]\), and this config runs islands"),
+    ("tiny_hetero.py", ("cuda/3", "mi300/3"), r"holds checkpoints of islands \['mi300'\]")],
+    ids=["one-mesh-over-islands", "islands-over-one-mesh", "renamed-island"])
+def test_a_run_dir_of_another_kind_of_job_is_refused_before_anything_is_written(tmp_path, config, folders, match):
+    """Before, neither kind found the other's checkpoints: the job trained from step 0 and
+    rewrote the run's metrics."""
+    run_dir = tmp_path / "run"
+    for f in folders:
+        (run_dir / "checkpoints" / f).mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "loss": 5.5}\n')
+    with pytest.raises(ConfigError, match=match):
+        train.main(["--config", config, f"--config.run_dir={run_dir}", "--config.steps=2"])
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0, "loss": 5.5}\n'
+    assert sorted(str(p.relative_to(run_dir / "checkpoints")) for p in (run_dir / "checkpoints").rglob("*")) == \
+        sorted({*folders, *(f.split("/")[0] for f in folders)})
