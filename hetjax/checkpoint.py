@@ -34,7 +34,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_policy
 
 from hetjax import checkpoint_copy, checkpoint_readable, orbax_noise, save_failures
-from hetjax.checkpoint_fit import check_optimizer, check_shapes, verify
+from hetjax.checkpoint_fit import check_optimizer, check_shapes, check_split, verify
 from hetjax.compile import aot
 from hetjax.checkpoint_config import CheckpointConfig
 from hetjax.errors import CheckpointError, ConfigError, CorruptCheckpoint  # noqa: F401 - raised here, caught by callers
@@ -411,8 +411,10 @@ def find_checkpoint_dir(path: str | Path) -> tuple[Path, int | None]:
         f"checkpoints/ directory, one step directory in it, or the output of `python -m hetjax.convert import`")
 
 
-def load_params(path: str | Path, abstract_params, param_shardings, log=print):
-    """Parameters only, from a checkpoint, laid out by `param_shardings`; verified."""
+def load_params(path: str | Path, abstract_params, param_shardings, log=print, split=None):
+    """Parameters only, from a checkpoint, laid out by `param_shardings`; verified. `split`:
+    the uneven pipeline split whose padded rows `abstract_params` stacks (checkpoint_fit's
+    padded_split), None for the model's order; a checkpoint stacked otherwise is refused."""
     directory, step = find_checkpoint_dir(path)
     manager = Manager(directory, read_only=True)
     errors = []
@@ -420,6 +422,10 @@ def load_params(path: str | Path, abstract_params, param_shardings, log=print):
         for s in reversed(manager.steps() if step is None else [step]):
             where = manager.where(s)
             try:
+                check_split(manager.read_json(s, "config").get("config"), split, f"config.init_from: {where}",
+                            "start from it with that split (config.mesh.pipeline and "
+                            "config.pipeline.stage_layers), or give a checkpoint in the model's order (python "
+                            "-m hetjax.convert export, then import, writes one)")
                 small, arrays = manager.read(s, {"params": (abstract_params, param_shardings)})
             except CorruptCheckpoint as e:
                 log(f"warning: {e}; trying an older one")

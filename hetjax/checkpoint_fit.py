@@ -5,9 +5,44 @@ and its arrays' checksums (a mismatch is damage, CorruptCheckpoint)."""
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from hetjax.errors import ConfigError, CorruptCheckpoint
 from hetjax.repro.digest import leaf_checksums, path_name
+
+
+def padded_split(config: dict | None) -> tuple[int, ...] | None:
+    """The stage_layers of a config (a checkpoint's saved one, or config.to_dict's) whose
+    uneven pipeline split stacks the layers with padding rows (hetjax/pipeline/stages.py);
+    None when the stacked rows are the model's layers in order."""
+    if not config:
+        return None
+    split = tuple(config.get("pipeline", {}).get("stage_layers", ()))
+    if config.get("mesh", {}).get("pipeline", 1) != 1 and len(set(split)) > 1:
+        return split
+    return None
+
+
+def layer_rows(split: tuple[int, ...]) -> np.ndarray:
+    """The stacked row that holds each model layer under padded_split's `split`."""
+    from hetjax.pipeline.stages import StageLayout
+    source = StageLayout(split).source()
+    rows = np.empty(sum(split), int)
+    rows[source[source >= 0]] = np.flatnonzero(source >= 0)
+    return rows
+
+
+def check_split(saved_config: dict | None, split: tuple[int, ...] | None, where: str, fix: str) -> None:
+    """Refuses stacked layers padded by another uneven split than this run's (`split`, None
+    for the model's order): (3, 1) and (1, 3) pad to the same shapes, and one would load into
+    the other scrambled, with no error."""
+    saved = padded_split(saved_config)
+    if saved != split:
+        raise ConfigError(
+            f"{where} holds its layers as " + (f"the uneven pipeline split stage_layers={saved} lays them "
+                                              f"out, with padding rows" if saved else "the model orders them")
+            + ", and this run needs them " + (f"as stage_layers={split} lays them out" if split else
+                                             "in the model's order") + f"; {fix}")
 
 
 def check_shapes(saved_tree, abstract, where: str, saved_config: dict | None = None) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
-from hetjax import checkpoint, cli, safetensors_io
+from hetjax import checkpoint, checkpoint_fit, cli, safetensors_io
 from hetjax.repro import digest
 from hetjax.errors import ConfigError, ConvertError  # noqa: F401 - raised here, caught by callers
 from hetjax.models.llama import ModelConfig
@@ -221,6 +221,9 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes
         manager.close()
     m = ModelConfig(**small.config["model"])
     plan = entries(m)
+    # An uneven pipeline split saved its layers with padding rows between the stages.
+    split = checkpoint_fit.padded_split(small.config)
+    rows = checkpoint_fit.layer_rows(split) if split else np.arange(m.num_layers)
     out_dtype = _np_dtype(dtype)
     specs = [(e.hf.format(i=i), e.hf_shape, out_dtype) for e in plan for i in _layers(e, m)]
     params_dir = directory / str(step) / "params"
@@ -238,7 +241,7 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes
                 raise ConvertError(f"{params_dir}: parameter {e.path} does not match its checksum; the checkpoint is damaged")
             log(f"  {e.path:26} {str(x.shape):22} -> {e.hf}")
             for i in _layers(e, m):
-                yield e.to_hf(x if i is None else x[i]).astype(out_dtype)
+                yield e.to_hf(x if i is None else x[rows[i]]).astype(out_dtype)
 
     # Everything is written under a staging name and moved into place at the end,
     # config.json last: a failed export leaves no file that looks complete.

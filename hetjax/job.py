@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from hetjax import checkpoint, memory, metrics, program, repro, sharding
+from hetjax import checkpoint, checkpoint_fit, memory, metrics, program, repro, sharding
 from hetjax import stop as stop_lib
 from hetjax.compile import backend
 from hetjax.errors import ConfigError
@@ -173,7 +173,9 @@ class MeshJob:
             log(f"resumed from step {self.start} of {self.checkpoints.directory} "
                 f"(parameter checksum {checkpoint.params_checksum_of(restored.meta)})")
         elif cfg.init_from:
-            params = checkpoint.load_params(cfg.init_from, prog.state.params, prog.state_shardings.params)
+            split = tuple(cfg.pipeline.stage_layers) if prog.plan is not None and prog.plan.layout.padded else None
+            params = checkpoint.load_params(cfg.init_from, prog.state.params, prog.state_shardings.params,
+                                            log, split)
             if isinstance(self.checkpoints, ModelOrderCheckpoints):
                 params = self.checkpoints.to_pipeline(params, prog.state_shardings.params)
             self.state, self.start = checkpoint.fresh_state(params, prog.tx, prog.state_shardings), cfg.data.start_step
@@ -190,14 +192,9 @@ class MeshJob:
         """An uneven split is saved as the pipeline holds it, padding rows included, and two
         splits with the same padded shape (stage_layers (3, 1) and (1, 3)) would restore into
         each other without an error, their layers scrambled: refuse another split."""
-        saved_split = (saved["mesh"]["pipeline"], tuple(saved["pipeline"]["stage_layers"]))
-        split = (self.cfg.mesh.pipeline, tuple(self.cfg.pipeline.stage_layers))
-        if saved_split != split:
-            raise ConfigError(
-                f"config.pipeline.stage_layers={split[1]} (config.mesh.pipeline={split[0]}): "
-                f"{self.checkpoints.where(step)} holds the layers of stage_layers={saved_split[1]} "
-                f"(config.mesh.pipeline={saved_split[0]}) as that pipeline lays them out, with padding; "
-                f"resume with those (no other uneven split can read this checkpoint)")
+        checkpoint_fit.check_split(saved, tuple(self.cfg.pipeline.stage_layers), self.checkpoints.where(step),
+                                   "resume with that split (config.mesh.pipeline and config.pipeline.stage_layers); "
+                                   "no other uneven split can read this checkpoint")
 
     @property
     def stop_requested(self) -> bool:

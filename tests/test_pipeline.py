@@ -523,13 +523,27 @@ def test_an_interleaved_pipeline_checkpoints_in_the_model_layer_order(tmp_path):
 
 
 def test_an_uneven_split_s_checkpoint_is_refused_by_another_uneven_split(tmp_path):
-    """(3, 1) and (1, 3) pad to the same shapes: the second used to resume the first's
-    checkpoint without an error, model layers in padding rows and padding as layers."""
-    from hetjax import train
-    args = ["--config", "tiny.py", f"--config.run_dir={tmp_path / 'run'}", "--config.model.num_layers=4",
-            "--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.schedule=1f1b_fused",
-            "--config.pipeline.microbatches=2", "--config.eval_every=0", "--config.tensorboard=false"]
-    assert train.main([*args, "--config.steps=1", "--config.pipeline.stage_layers=(3,1)"]) == 0
-    with pytest.raises(ConfigError, match=r"config.pipeline.stage_layers=\(1, 3\).*stage_layers=\(3, 1\)"):
-        train.main([*args, "--config.steps=2", "--config.pipeline.stage_layers=(1,3)"])
-    assert train.main([*args, "--config.steps=2", "--config.pipeline.stage_layers=(3,1)"]) == 0  # the same resumes
+    """(1, 3) and (3, 1) pad to the same shapes: the second used to resume, or start from
+    (init_from), the first's checkpoint without an error, model layers in padding rows and
+    padding as layers; and its export wrote padding rows as layers 1 and 2."""
+    from hetjax import convert, safetensors_io, train
+    run_dir = tmp_path / "run"
+    args = ["--config", "tiny.py", "--config.model.num_layers=4", "--config.mesh.fsdp=4",
+            "--config.pipeline.schedule=1f1b_fused", "--config.pipeline.microbatches=2", "--config.eval_every=0",
+            "--config.tensorboard=false"]
+    uneven = [*args, f"--config.run_dir={run_dir}", "--config.mesh.pipeline=2"]
+    assert train.main([*uneven, "--config.steps=1", "--config.pipeline.stage_layers=(1,3)"]) == 0
+    with pytest.raises(ConfigError, match=r"stage_layers=\(1, 3\).*stage_layers=\(3, 1\)"):
+        train.main([*uneven, "--config.steps=2", "--config.pipeline.stage_layers=(3,1)"])
+    assert train.main([*uneven, "--config.steps=2", "--config.pipeline.stage_layers=(1,3)"]) == 0  # the same resumes
+    for other in (["--config.mesh.pipeline=2", "--config.pipeline.stage_layers=(3,1)"], ["--config.mesh.pipeline=1", "--config.mesh.fsdp=8"]):
+        with pytest.raises(ConfigError, match=r"config.init_from: .* holds its layers as the uneven pipeline "
+                                              r"split stage_layers=\(1, 3\) lays them out"):
+            train.main([*args, *other, f"--config.run_dir={tmp_path / 'new'}", f"--config.init_from={run_dir}",
+                        "--config.steps=1"])
+    # Exported, the four layers are the model's: none is a padding row (all zeros)
+    convert.export_hf(run_dir, tmp_path / "hf")
+    hf = safetensors_io.open_dir(tmp_path / "hf")
+    norms = [hf[f"model.layers.{i}.input_layernorm.weight"].get(f"model.layers.{i}.input_layernorm.weight")
+             for i in range(4)]
+    assert all(np.abs(n).sum() > 0 for n in norms) and f"model.layers.4.input_layernorm.weight" not in hf
