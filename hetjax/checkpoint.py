@@ -34,7 +34,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_policy
 
 from hetjax import checkpoint_copy, checkpoint_readable, orbax_noise, save_failures
-from hetjax.checkpoint_fit import check_optimizer, check_shapes, check_split, verify
+from hetjax.checkpoint_fit import check_optimizer, check_shapes, check_split, saved_dtypes, verify
 from hetjax.compile import aot
 from hetjax.checkpoint_config import CheckpointConfig
 from hetjax.errors import CheckpointError, ConfigError, CorruptCheckpoint  # noqa: F401 - raised here, caught by callers
@@ -341,13 +341,14 @@ class Manager:
         checksummed again against those written at save time."""
         where = self.where(step)
         small = self.read_json(step, "meta", *json_items)
-        check_shapes(self._item_metadata(step, "params", where), arrays["params"][0], where, small.get("config"))
+        saved = {k: self._item_metadata(step, k, where) for k in arrays}
+        check_shapes(saved["params"], arrays["params"][0], where, small.get("config"))
         if "opt_state" in arrays:
-            check_optimizer(self._item_metadata(step, "opt_state", where), arrays["opt_state"][0], where,
-                            small.get("config"))
-        try:
+            check_optimizer(saved["opt_state"], arrays["opt_state"][0], where, small.get("config"))
+        wanted = {k: aot.abstract(a, s) for k, (a, s) in arrays.items()}
+        try:  # as saved (a bf16 import, a run whose param_dtype changed): its checksums are of those bits
             loaded = self._manager.restore(step, args=ocp.args.Composite(
-                **{k: ocp.args.StandardRestore(aot.abstract(a, s)) for k, (a, s) in arrays.items()}))
+                **{k: ocp.args.StandardRestore(saved_dtypes(wanted[k], saved[k])) for k in arrays}))
         except Exception as e:
             message = f"{where} is unreadable ({type(e).__name__}: {e})"
             orbax_noise.close_abandoned_tasks(e)
@@ -355,7 +356,9 @@ class Manager:
             raise CorruptCheckpoint(message) from None
         expected = {k: v for k, v in small.meta.get("checksums", {}).items() if k.split("/")[0] in arrays}
         verify(expected, {k: loaded[k] for k in arrays}, where)
-        return small, loaded
+        cast = {k: jax.tree.map(lambda x, w: x if x.dtype == w.dtype else x.astype(w.dtype), loaded[k], wanted[k])
+                for k in arrays}
+        return small, ocp.args.Composite(**cast)
 
     def where(self, step: int) -> str:
         return f"checkpoint step {step} in {self.directory}"

@@ -71,6 +71,15 @@ def _shapes(tree) -> dict[str, tuple]:
         tree, is_leaf=lambda x: hasattr(x, "shape"))[0] if hasattr(x, "shape")}
 
 
+def saved_dtypes(abstract, saved_tree):
+    """`abstract` (ShapeDtypeStructs) with each array's dtype as orbax's metadata says it
+    was saved: read so, its checksums can be checked before any cast."""
+    saved = {path_name(p): x.dtype for p, x in jax.tree_util.tree_flatten_with_path(
+        getattr(saved_tree, "tree", saved_tree), is_leaf=lambda x: hasattr(x, "dtype"))[0] if hasattr(x, "dtype")}
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.ShapeDtypeStruct(x.shape, saved.get(path_name(p), x.dtype), sharding=x.sharding), abstract)
+
+
 def check_optimizer(saved_tree, abstract, where: str, saved_config: dict | None = None) -> None:
     """Raises ConfigError when the saved optimizer state has other parts than this config's
     optimizer makes (config.optim changed, e.g. clipping turned on or off): orbax would

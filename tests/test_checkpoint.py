@@ -494,3 +494,22 @@ def test_a_run_dir_of_another_kind_of_job_is_refused_before_anything_is_written(
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0, "loss": 5.5}\n'
     assert sorted(str(p.relative_to(run_dir / "checkpoints")) for p in (run_dir / "checkpoints").rglob("*")) == \
         sorted({*folders, *(f.split("/")[0] for f in folders)})
+
+
+def test_a_checkpoint_of_another_param_dtype_is_verified_as_saved_then_cast(tmp_path):
+    """A bfloat16 import read by a float32 run (llama8b's), or a run resumed with another
+    param_dtype: its checksums are of the saved bits. Before, the arrays were cast first and
+    every step was then reported damaged and moved aside."""
+    bf16 = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, param_dtype="bfloat16"))
+    state = save_state(tmp_path / "ck", MeshConfig(fsdp=8), 8, steps=(2,), cfg=bf16)
+    want = jax.tree.map(lambda x: np.asarray(x).astype(np.float32), jax.device_get(state.params))
+    abstract, shardings = abstract_for(MeshConfig(fsdp=8), 8)  # float32
+    assert {x.dtype for x in jax.tree.leaves(abstract.params)} == {np.dtype("float32")}
+    restored = checkpoint.Manager(tmp_path / "ck", read_only=True).restore_latest(abstract, shardings)
+    assert restored is not None and restored.step == 2
+    for got, w, s in zip(jax.tree.leaves(restored.state.params), jax.tree.leaves(want), jax.tree.leaves(shardings.params)):
+        assert got.dtype == np.float32 and got.sharding == s
+        np.testing.assert_array_equal(np.asarray(got), w)
+    params = checkpoint.load_params(tmp_path / "ck", abstract.params, shardings.params)
+    jax.tree.map(lambda got, w: np.testing.assert_array_equal(np.asarray(got), w), params, want)
+    assert not (tmp_path / checkpoint.CORRUPT_DIR).exists()
