@@ -77,7 +77,6 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
     layer_params = sum(l.bytes_per_device / l.shape[0] for l in layouts if l.logical[0] == "layers")
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     tensor = mesh.shape["tensor"]
-    tokens = math.ceil(cfg.batch_size / cfg.optim.grad_accum_steps / batch_shards) * cfg.seq_len
     per_token_layer = _activation_bytes_per_layer_token(cfg, tensor, cfg.model.remat)
     m = cfg.model
     # One layer's full working set is live while the backward pass recomputes or
@@ -85,9 +84,23 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
     # them, plus the output's fp32 logits and their gradient.
     working = _activation_bytes_per_layer_token(cfg, tensor, "none") + _attention_scores(cfg, tensor)
     logits = 2 * 4 * m.vocab_size / tensor
-    activations = tokens * (m.num_layers * per_token_layer + working + logits)
+    stages = mesh.shape["pipeline"]
+    if stages > 1:
+        # hetjax.pipeline.spmd: a stage stashes the input of each micro-batch in flight and
+        # recomputes one chunk of its layers for each backward, one micro-batch at a time.
+        from hetjax.pipeline.schedule import make_schedule
+        p = cfg.pipeline
+        slots = make_schedule(p.schedule, stages, p.microbatches, p.virtual_stages).slots()[3]
+        rows = next(l.shape[0] for l in layouts if l.logical[0] == "layers")  # padding slots too
+        tokens = math.ceil(cfg.batch_size / p.microbatches / batch_shards) * cfg.seq_len
+        stash = slots * m.embed_dim * np.dtype(m.dtype).itemsize
+        activations = tokens * (stash + rows // stages // p.virtual_stages * per_token_layer + working + logits)
+    else:
+        tokens = math.ceil(cfg.batch_size / cfg.optim.grad_accum_steps / batch_shards) * cfg.seq_len
+        activations = tokens * (m.num_layers * per_token_layer + working + logits)
+    accumulated = params if cfg.optim.grad_accum_steps > 1 else 0  # the micro-steps' sum beside each one's
     return Estimate(
-        parameters=params, optimizer=2 * params, gradients=params,
+        parameters=params, optimizer=2 * params, gradients=params + accumulated,
         activations=int(activations),
         per_layer=int(4 * layer_params + tokens * per_token_layer),
         devices=mesh.size)
