@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -181,3 +182,27 @@ def test_the_tiny_hetero_config_trains_through_launch_local(tmp_path, capsys):
         assert want <= device, device
         assert any(e.get("ph") == "b" and e["name"].startswith("recv train5/") for e in mine)
     assert list((run_dir / "profile").rglob("*.xplane.pb"))  # jax.profiler's trace of the same steps
+
+
+def test_a_gpu_island_whose_process_finds_only_a_cpu_is_refused_by_name(tmp_path):
+    """As SLURM or Kubernetes start it (HETJAX_* variables, no stand-in) on a machine where
+    jax finds no GPU: jax falls back to the CPU, and the cuda island used to train there."""
+    import subprocess
+    import sys
+    from hetjax.hetero import scheduler
+    config = Path(write_config(tmp_path, 1))
+    config.write_text(config.read_text().replace("devices_per_process=4", "devices_per_process=1")
+                      .replace("fsdp=4", "fsdp=1"))
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update({scheduler.ISLAND: "cuda", scheduler.PROCESS_ID: "0", scheduler.PORT: str(local.free_ports(1, 4)[0]),
+                scheduler.HOSTS: json.dumps({"cuda": ["127.0.0.1"], "rocm": ["127.0.0.1"]}),
+                "HETJAX_TRANSFER_SECRET": "0123456789abcdef0123456789abcdef", "JAX_PLATFORMS": "cpu",
+                "PYTHONPATH": str(os.getcwd())})
+    proc = subprocess.run([sys.executable, "-m", "hetjax.train", "--config", str(config),
+                           f"--config.run_dir={tmp_path / 'run'}", "--config.hetero.virtual=False",
+                           "--config.hetero.link.backend=host"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("error: config.hetero.islands[cuda].platform='cuda': island 'cuda' process 0 found cpu devices"
+            in proc.stderr), proc.stderr[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

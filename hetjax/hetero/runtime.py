@@ -192,6 +192,7 @@ def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float
             f"island {settings.tag} could not join its jax.distributed world at "
             f"{settings.coordinator} within {timeout_s:g}s (config.hetero.timeout_s): "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    check_platform(settings.platform(island), island, settings)
     found = len(jax.local_devices())
     if found != island.devices_per_process:
         raise ConfigError(
@@ -199,3 +200,26 @@ def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float
             f"config.hetero.islands[{island.name}].devices_per_process={island.devices_per_process}; "
             f"fix the config or the devices visible to the process (XLA_FLAGS="
             f"--xla_force_host_platform_device_count=N on CPU, CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
+
+
+def platform_of(device) -> str:
+    """cpu, cuda or rocm: jax calls both GPU kinds `gpu`, their client's version tells them apart."""
+    if device.platform != "gpu":
+        return device.platform
+    version = str(getattr(device.client, "platform_version", "")).lower()
+    return "rocm" if "rocm" in version or "hip" in version else "cuda" if "cuda" in version else "gpu"
+
+
+def check_platform(want: str, island: IslandConfig, settings: ProcessSettings) -> None:
+    """Refuses an island whose process found other devices than its platform: where jax
+    finds no GPU it runs on the CPU, and a cuda or rocm island would train there unnoticed."""
+    import jax
+    device = jax.local_devices()[0]
+    found = platform_of(device)
+    if found == want or (found == "gpu" and want in ("cuda", "rocm")):
+        return
+    raise ConfigError(
+        f"config.hetero.islands[{island.name}].platform={island.platform!r}: island {island.name!r} process "
+        f"{settings.process_id} found {found} devices ({device.device_kind}), not {want}; install jax's {want} "
+        f"plugin or make the GPUs visible to the process, or run the island on CPU on purpose as a stand-in "
+        f"(HETJAX_STAND_IN=cpu; launch.local --stand_in cpu)")
