@@ -72,17 +72,9 @@ def parse_command_line(argv: list[str], flags: tuple[str, ...] = ("compile_only"
         if key == "--config":
             name = value if eq else (args.pop(0) if args else None)
         elif key.startswith("--config."):
-            if not eq:
-                if not args:
-                    raise ConfigError(f"{arg}: give a value, e.g. {arg}=VALUE")
-                value = args.pop(0)
-            overrides[key.removeprefix("--config.")] = value
+            overrides[key.removeprefix("--config.")] = value if eq else _next_value(arg, args)
         elif key.startswith("--") and key.removeprefix("--").replace("-", "_") in values:
-            if not eq:
-                if not args:
-                    raise ConfigError(f"{arg}: give a value, e.g. {arg}=VALUE")
-                value = args.pop(0)
-            values[key.removeprefix("--").replace("-", "_")] = value
+            values[key.removeprefix("--").replace("-", "_")] = value if eq else _next_value(arg, args)
         elif key.removeprefix("--").replace("-", "_") in flags and not eq:
             seen.add(key.removeprefix("--").replace("-", "_"))
         else:
@@ -93,6 +85,15 @@ def parse_command_line(argv: list[str], flags: tuple[str, ...] = ("compile_only"
     if not name:
         raise ConfigError("--config is required, e.g. --config configs/tiny.py")
     return CommandLine(name, overrides, options=values, **{f: f in seen for f in flags})
+
+
+def _next_value(arg: str, args: list[str]) -> str:
+    """The value of `--name VALUE`: the next argument, unless there is none or it is the
+    next option (taken as the value, that option would be lost without a word)."""
+    if not args or args[0].startswith("--"):
+        raise ConfigError(f"{arg}: give a value, e.g. {arg}=VALUE" + (f" (the next argument, {args[0]}, is an "
+                                                                      f"option)" if args else ""))
+    return args.pop(0)
 
 
 def need(module: str, extra: str, what: str):

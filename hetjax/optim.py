@@ -34,6 +34,8 @@ def validate_optim(cfg: OptimConfig) -> None:
         value = getattr(cfg, name)  # finite: config.validate refuses any non-finite float first
         if value < 0:
             raise ConfigError(f"config.optim.{name}={value}: must not be negative")
+    if cfg.eps <= 0:  # Adam divides by sqrt(v) + eps: a gradient of exactly 0 would give 0/0
+        raise ConfigError(f"config.optim.eps={cfg.eps}: must be above 0 (e.g. 1e-8)")
     if cfg.min_lr_ratio > 1:
         raise ConfigError(f"config.optim.min_lr_ratio={cfg.min_lr_ratio}: the decay's end as a share of "
                           f"learning_rate must lie in [0, 1], e.g. 0.1")

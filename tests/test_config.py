@@ -65,6 +65,9 @@ def test_command_line():
         cli.parse_command_line(["--config", "tiny.py", "--compile-onyl"])
     with pytest.raises(ConfigError, match="--config is required"):
         cli.parse_command_line([])
+    # `--config.KEY VALUE` whose VALUE is missing: the next option is not taken as the value
+    with pytest.raises(ConfigError, match=r"--config.name: give a value.*the next argument, --config.steps=5, is"):
+        cli.parse_command_line(["--config", "tiny.py", "--config.name", "--config.steps=5"])
     with pytest.raises(ConfigError, match="known configs: .*tiny"):
         config_lib.find_config_file("nope.py")
 
@@ -112,6 +115,7 @@ def no_compile(monkeypatch):
     (["--config.optim.learning_rate=-1e-3"], r"config.optim.learning_rate=-0.001: must not be negative"),
     (["--config.optim.learning_rate=inf"], r"config.optim.learning_rate='inf': not finite"),
     (["--config.optim.min_lr_ratio=5"], r"config.optim.min_lr_ratio=5.0: .* must lie in \[0, 1\]"),
+    (["--config.optim.eps=0"], r"config.optim.eps=0.0: must be above 0"),  # 0/0 at a zero gradient
     # Values that used to pass and then divide by zero, train silently wrong or write elsewhere.
     (["--config.memory_fraction=0"], r"config.memory_fraction=0.0: .* must lie in \(0, 1\]"),
     (["--config.memory_fraction=5"], r"config.memory_fraction=5.0"),
@@ -125,6 +129,7 @@ def no_compile(monkeypatch):
     (["--config.model.rope_scaling_factor=8", "--config.model.rope_low_freq_factor=4"],
      r"rope_low_freq_factor=4.0 and rope_high_freq_factor=4.0: need 0 < low < high"),
     (["--config.run_dir="], r"config.run_dir='': give the run's directory"),
+    (["--config.model.attention_impl=cudnn"], r"attention_impl='cudnn' runs on CUDA GPUs only, and this run is on cpu"),
     (["--config.steps=2", "--config.profile_steps=5:7"], r"step 5 is not below config.steps=2"),
     (["--config.sharding.rules=" + repr(tuple(dict(config_lib.DEFAULT_RULES, batch=("fsdp", "fsdp")).items()))],
      r"mesh axis 'fsdp' is named twice"),

@@ -197,12 +197,27 @@ def virtual_cpu_devices(count: int, environ=None) -> None:
 def start(cfg) -> str:
     """The profile and the compilation cache for a run of `cfg`; returns the start-up line."""
     from hetjax.compile import cache
+    check_attention(cfg.model, resolve(cfg.compile)[0].platform)  # before XLA's flags are set
     applied = setup(cfg.compile)
     line = applied.describe()
     if cfg.compile.cache:
         path = cache.enable(cache.directory(cfg.compile.cache_dir, cfg.run_dir, applied.profile.platform))
         line += f"; compilation cache: {path}"
     return line
+
+
+def check_attention(model, platform: str) -> None:
+    """cuDNN's fused attention runs on CUDA GPUs only, in bf16 or fp16: refused before
+    anything compiles (jax would fail inside tracing)."""
+    if model.attention_impl != "cudnn":
+        return
+    if platform != "cuda":
+        raise ConfigError(f"config.model.attention_impl='cudnn' runs on CUDA GPUs only, and this run is on "
+                          f"{platform}; use 'auto' (cuDNN where it applies) or 'xla'")
+    if model.dtype not in ("bfloat16", "float16"):
+        raise ConfigError(f"config.model.attention_impl='cudnn' computes in bfloat16 or float16, and "
+                          f"config.model.dtype={model.dtype!r}; set --config.model.dtype=bfloat16, or use "
+                          f"attention_impl='auto'")
 
 
 # Islands on CPU, and the processes of a one-mesh world on CPU, compile every program
