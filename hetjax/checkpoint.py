@@ -34,7 +34,8 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_policy
 
 from hetjax import checkpoint_copy, checkpoint_readable, orbax_noise, save_failures
-from hetjax.checkpoint_fit import check_optimizer, check_shapes, check_split, saved_dtypes, verify
+from hetjax.checkpoint_fit import (check_optimizer, check_shapes, check_split, model_differences,
+                                   saved_dtypes, verify)
 from hetjax.compile import aot
 from hetjax.checkpoint_config import CheckpointConfig
 from hetjax.errors import CheckpointError, ConfigError, CorruptCheckpoint  # noqa: F401 - raised here, caught by callers
@@ -414,10 +415,12 @@ def find_checkpoint_dir(path: str | Path) -> tuple[Path, int | None]:
         f"checkpoints/ directory, one step directory in it, or the output of `python -m hetjax.convert import`")
 
 
-def load_params(path: str | Path, abstract_params, param_shardings, log=print, split=None):
+def load_params(path: str | Path, abstract_params, param_shardings, log=print, split=None, model=None):
     """Parameters only, from a checkpoint, laid out by `param_shardings`; verified. `split`:
     the uneven pipeline split whose padded rows `abstract_params` stacks (checkpoint_fit's
-    padded_split), None for the model's order; a checkpoint stacked otherwise is refused."""
+    padded_split), None for the model's order; a checkpoint stacked otherwise is refused.
+    `model`: the run's ModelConfig, warned about where its norm or RoPE settings differ from
+    the checkpoint's (the same weights then compute another function)."""
     directory, step = find_checkpoint_dir(path)
     manager = Manager(directory, read_only=True)
     errors = []
@@ -425,10 +428,15 @@ def load_params(path: str | Path, abstract_params, param_shardings, log=print, s
         for s in reversed(manager.steps() if step is None else [step]):
             where = manager.where(s)
             try:
-                check_split(manager.read_json(s, "config").get("config"), split, f"config.init_from: {where}",
+                saved = manager.read_json(s, "config").get("config")
+                check_split(saved, split, f"config.init_from: {where}",
                             "start from it with that split (config.mesh.pipeline and "
                             "config.pipeline.stage_layers), or give a checkpoint in the model's order (python "
                             "-m hetjax.convert export, then import, writes one)")
+                if model is not None and (differ := model_differences(saved, model)):
+                    log(f"warning: config.init_from: {where} was written by a model with {', '.join(differ)}: "
+                        f"these weights now compute another function than the one they were trained for. "
+                        f"Set those flags to match, unless the change is meant (e.g. a longer context)")
                 small, arrays = manager.read(s, {"params": (abstract_params, param_shardings)})
             except CorruptCheckpoint as e:
                 log(f"warning: {e}; trying an older one")

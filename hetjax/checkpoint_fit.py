@@ -45,6 +45,22 @@ def check_split(saved_config: dict | None, split: tuple[int, ...] | None, where:
                                              "in the model's order") + f"; {fix}")
 
 
+# The model fields that change the function its weights compute but not their shapes.
+FUNCTION_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                   "rope_original_max_length")
+
+
+def model_differences(saved_config: dict | None, model) -> list[str]:
+    """`--config.model.X=V` for each FUNCTION_FIELDS value the checkpoint's model was written
+    with that `model` (a ModelConfig) does not have; the scaling's details only where either
+    side scales."""
+    saved = (saved_config or {}).get("model", {})
+    scaling = saved.get("rope_scaling_factor", 1.0) > 1 or model.rope_scaling_factor > 1
+    return [f"--config.model.{k}={saved[k]} (this run: {getattr(model, k)})" for k in FUNCTION_FIELDS
+            if k in saved and saved[k] != getattr(model, k) and (scaling or not k.startswith("rope_") or
+                                                                  k == "rope_theta")]
+
+
 def check_shapes(saved_tree, abstract, where: str, saved_config: dict | None = None) -> None:
     """Raises ConfigError naming the first parameter whose saved shape differs."""
     saved, wanted = _shapes(saved_tree), _shapes(abstract)

@@ -322,8 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "import":
             m = import_hf(args.hf_dir, args.out_dir, args.param_dtype)
+            # Every field that shapes the weights or the function they compute, whatever the
+            # defaults: a config file (llama8b's, tiny's) sets its own.
             flags = " ".join(f"--config.model.{k}={v}" for k, v in dataclasses.asdict(m).items()
-                             if v != getattr(ModelConfig(), k))
+                             if k not in ("dtype", "param_dtype", "remat", "attention_impl"))
             print(f"wrote {args.out_dir}/0; train from it with --config.init_from={args.out_dir} {flags}")
         else:
             paths = export_hf(args.checkpoint, args.out_dir, args.dtype, int(args.max_shard_gb * 2**30))

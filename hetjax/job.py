@@ -175,7 +175,7 @@ class MeshJob:
         elif cfg.init_from:
             split = tuple(cfg.pipeline.stage_layers) if prog.plan is not None and prog.plan.layout.padded else None
             params = checkpoint.load_params(cfg.init_from, prog.state.params, prog.state_shardings.params,
-                                            log, split)
+                                            log, split, cfg.model)
             if isinstance(self.checkpoints, ModelOrderCheckpoints):
                 params = self.checkpoints.to_pipeline(params, prog.state_shardings.params)
             self.state, self.start = checkpoint.fresh_state(params, prog.tx, prog.state_shardings), cfg.data.start_step

@@ -1,9 +1,11 @@
 """Hugging Face interchange: logits match transformers; import/export/re-import is bit-exact."""
 
+import dataclasses
 import json
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from hetjax import checkpoint, convert, safetensors_io
@@ -11,6 +13,7 @@ from hetjax.repro import digest
 from hetjax import state as state_lib
 from flax import nnx
 
+from hetjax import config as config_lib
 from hetjax.config import DEFAULT_RULES, MeshConfig, OptimConfig
 from hetjax.mesh import make_mesh
 from hetjax.optim import make_optimizer
@@ -132,7 +135,10 @@ def test_exporting_again_into_a_directory_leaves_no_stale_weights(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
 
 
-def test_a_run_started_from_imported_weights_exports_the_original_token_ids(tmp_path, monkeypatch):
+def test_a_run_started_from_imported_weights_exports_the_original_token_ids(tmp_path, monkeypatch, capsys):
+    """...and the import's hint gives every model field a config file may set otherwise
+    (it listed only those unlike ModelConfig's defaults: tiny's norm_eps stayed 1e-5 against
+    the import's 1e-6); a run whose norm or RoPE settings differ from the checkpoint's is warned."""
     from hetjax import train
     hf_model("qwen2", tmp_path / "hf")
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -140,11 +146,21 @@ def test_a_run_started_from_imported_weights_exports_the_original_token_ids(tmp_
     (tmp_path / "hf" / "config.json").write_text(json.dumps(hf))
     monkeypatch.chdir(tmp_path)
     assert convert.main(["import", "hf", "imported"]) == 0
+    hint = capsys.readouterr().out.split("--config.init_from=imported ")[1].split()
+    assert "--config.model.norm_eps=1e-06" in hint and "--config.model.rope_theta=1000000.0" in hint
+    assert train.main(["--config", "tiny.py", "--config.steps=1", "--config.eval_every=0", "--config.tensorboard=false",
+                       "--config.run_dir=run", "--config.init_from=imported", "--config.data.branching=4", *hint]) == 0
+    assert "another function" not in capsys.readouterr().out
+    m = config_lib.load("tiny.py", {a[9:].split("=")[0]: a.split("=")[1] for a in hint}).model
+    _, abstract = state_lib.abstract_state(m, 0, optax.sgd(0.1))
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    logged = []
+    checkpoint.load_params("imported", abstract.params, jax.tree.map(lambda _: cpu, abstract.params), logged.append,
+                           model=dataclasses.replace(m, norm_eps=1e-3, rope_theta=1e4))
+    assert [line for line in logged if "--config.model.norm_eps=1e-06 (this run: 0.001), "
+            "--config.model.rope_theta=1000000.0 (this run: 10000.0): these weights now compute another" in line]
     model = {"vocab_size": 64, "num_layers": 2, "embed_dim": 32, "mlp_dim": 48, "num_heads": 4, "num_kv_heads": 2,
              "head_dim": 8, "qkv_bias": True, "tie_embeddings": True, "rope_theta": 1e6}
-    assert train.main(["--config", "tiny.py", "--config.steps=1", "--config.eval_every=0", "--config.tensorboard=false",
-                       "--config.run_dir=run", "--config.init_from=imported", "--config.data.branching=4",
-                       *[f"--config.model.{k}={v}" for k, v in model.items()]]) == 0
     logged = []
     convert.export_hf(tmp_path / "run", tmp_path / "out", log=logged.append)
     out = json.loads((tmp_path / "out" / "config.json").read_text())

@@ -284,7 +284,7 @@ class Island:
         checkpoint or an imported Hugging Face model), with a fresh optimizer."""
         _, whole = state_lib.abstract_state(self.cfg.model, self.cfg.seed, self.tx)
         shardings = state_lib.state_shardings(whole.params, self.mesh, self.rules)
-        params = checkpoint.load_params(path, whole.params, shardings)
+        params = checkpoint.load_params(path, whole.params, shardings, model=self.cfg.model)
         params = jax.jit(lambda p: _part_of(self.cfg, self.index, self.chunks or None, self.plan, p),
                          out_shardings=self.shardings.params)(params)
         return checkpoint.fresh_state(params, self.tx, self.shardings)
