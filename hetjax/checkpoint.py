@@ -361,6 +361,16 @@ class Manager:
                 for k in arrays}
         return small, ocp.args.Composite(**cast)
 
+    def stacked_layers(self, step: int) -> int | None:
+        """How many layers checkpoint `step` stacks (padding rows included), from its
+        metadata only; None when it has no stacked layers."""
+        for path, x in jax.tree_util.tree_flatten_with_path(
+                getattr(meta := self._item_metadata(step, "params", self.where(step)), "tree", meta),
+                is_leaf=lambda x: hasattr(x, "shape"))[0]:
+            if hasattr(x, "shape") and getattr(path[0], "key", getattr(path[0], "name", None)) == "blocks":
+                return int(x.shape[0])
+        return None
+
     def where(self, step: int) -> str:
         return f"checkpoint step {step} in {self.directory}"
 

@@ -361,3 +361,31 @@ def test_an_island_ahead_never_deletes_the_last_step_a_lagging_island_holds(tmp_
     finally:
         job.checkpoints.close()
         job.close()
+
+
+def test_a_resume_under_another_layer_split_is_refused_before_compiling(tmp_path, monkeypatch):
+    """The split follows the islands' speeds (or auto_split's measurement, taken at each
+    start): a step saved as 2 + 2 layers, resumed as 3 + 1, used to fail only once every
+    island had compiled, with an error that blamed config.model."""
+    config = write_config(tmp_path, "speeds", '''
+        import os
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=4))
+        islands = (IslandConfig(name="cuda", devices_per_process=2, mesh=MeshConfig(fsdp=2),
+                                speed=float(os.environ["SPEED0"])),
+                   IslandConfig(name="rocm", devices_per_process=2, mesh=MeshConfig(fsdp=2)))
+        return dataclasses.replace(cfg, hetero=HeteroConfig(islands=islands))
+    ''')
+    args = ["--config", str(config), f"--config.run_dir={tmp_path / 'run'}", "--config.eval_every=0",
+            "--config.tensorboard=False", "--config.checkpoint.async_save=False"]
+    monkeypatch.setenv("SPEED0", "1")
+    assert train.main([*args, "--config.steps=2"]) == 0
+    monkeypatch.setenv("SPEED0", "3")
+    compiled = []
+    monkeypatch.setattr(job_lib, "Worker", lambda *a, **k: compiled.append(a) or pytest.fail("built an island"))
+    with pytest.raises(ConfigError, match=r"holds 2 layers of island 'cuda', which this start places 3 layers on .*"
+                                          r"--config.hetero.island_layers=\(2, 2\) restores"):
+        train.main([*args, "--config.steps=4"])
+    assert not compiled
+    monkeypatch.undo()
+    monkeypatch.setenv("SPEED0", "3")
+    assert train.main([*args, "--config.steps=4", "--config.hetero.island_layers=(2,2)"]) == 0  # as it says

@@ -154,7 +154,9 @@ def check_placement(cfg, saved: dict | None, where: str) -> None:
     """Raises ConfigError when the config that wrote an islands checkpoint (`saved`, its
     config item) placed the layers otherwise than `cfg`: the islands' parts can have the
     same shapes and hold other layers (virtual_stages 1 and 2 both give island 0 of 2
-    two of 4 layers), which neither the shapes nor the checksums would notice."""
+    two of 4 layers), which neither the shapes nor the checksums would notice. (How many
+    layers each island holds, which its speeds or island_layers decide, its callers compare
+    with the saved stack itself.)"""
     if cfg.hetero.placement != "pipeline" or not saved or "hetero" not in saved:
         return
     h, theirs = cfg.hetero, saved["hetero"]
@@ -162,19 +164,21 @@ def check_placement(cfg, saved: dict | None, where: str) -> None:
             ("config.hetero.placement", theirs.get("placement", "pipeline"), h.placement),
             ("config.hetero.islands (their number)", len(theirs.get("islands", ())), len(h.islands)),
             ("config.pipeline.virtual_stages", saved.get("pipeline", {}).get("virtual_stages", 1),
-             cfg.pipeline.virtual_stages),
-            ("config.hetero.island_layers", tuple(theirs.get("island_layers", ())), tuple(h.island_layers))):
+             cfg.pipeline.virtual_stages)):
         if was != now:
             raise ConfigError(
                 f"{where} was written with {field}={was!r} but this config has {now!r}: its islands hold "
                 f"other layers than this config places there; set {field} back to {was!r}")
 
 
-def check_saved_placement(cfg, names) -> None:
+def check_saved_placement(cfg, names, held: dict | None = None) -> None:
     """check_placement for every readable checkpoint of the islands `names` in the job's
-    checkpoint directory: run before the islands are built, so a resume with another
-    layer placement stops before anything is compiled. (Unreadable ones are left to
-    restore_latest, which sets them aside.)"""
+    checkpoint directory, and (pipeline placement) that island name holds as many layers
+    there as `held[name]` says it will now: the split follows the speeds (or auto_split's
+    measurement, taken anew at each start), and a step saved under another split would
+    otherwise fail only once every island had compiled, blaming config.model. Run before
+    the islands are built. (Unreadable ones are left to restore_latest, which sets them aside.)"""
+    saved_layers = {}
     for name in names:
         directory = checkpoint.default_dir(cfg) / name
         if not directory.is_dir():
@@ -184,11 +188,23 @@ def check_saved_placement(cfg, names) -> None:
             for step in manager.steps():
                 try:
                     saved = manager.read_json(step, "config").get("config")
+                    rows = manager.stacked_layers(step)
                 except checkpoint.CorruptCheckpoint:
                     continue
                 check_placement(cfg, saved, manager.where(step))
+                saved_layers[name] = (rows, manager.where(step))
         finally:
             manager.close()
+    differ = {n: r for n, (r, _) in saved_layers.items() if held and r is not None and r != held[n]}
+    if differ:
+        was = (f"; it was written with the split {tuple(saved_layers[n][0] for n in names)}, which "
+               f"--config.hetero.island_layers={tuple(saved_layers[n][0] for n in names)} restores"
+               if len(saved_layers) == len(names) == len(held) else "")
+        name = next(iter(differ))
+        raise ConfigError(
+            f"{saved_layers[name][1]} holds {differ[name]} layers of island {name!r}, which this start places "
+            f"{held[name]} layers on (the split follows config.hetero.islands' speeds, or auto_split's measurement "
+            f"at each start){was}; set config.hetero.island_layers so, or give a new config.run_dir")
 
 
 def _param_name(path) -> str | None:
@@ -224,6 +240,11 @@ def model_state(cfg, directory, step: int | None = None, log=print):
         parts = []
         for k, manager in enumerate(managers):
             check_placement(cfg, manager.read_json(step, "config").get("config"), manager.where(step))
+            if (rows := manager.stacked_layers(step)) != (here := sum(b - a for a, b in chunks[k])):
+                raise ConfigError(
+                    f"{manager.where(step)} holds {rows} layers of island {h.islands[k].name!r}, and this config "
+                    f"places {here} there; give the config that wrote it (its speeds, or its "
+                    f"--config.hetero.island_layers)")
             params = jax.eval_shape(lambda p, k=k: island_lib.part(p, k, n, chunks[k], tied), whole.params)
             items = {"params": params, "opt_state": jax.eval_shape(itx.init, params)}
             small, arrays = manager.read(step, {i: (a, jax.tree.map(lambda _: cpu, a)) for i, a in items.items()},

@@ -211,7 +211,9 @@ class IslandsJob:
                 log("auto_split: seconds per layer " + ", ".join(
                     f"{i.name} {t:.4g}" for i, t in zip(h.islands, times[:, 0])))
             layers = island_lib.held_layers(cfg, placement.island_layers(cfg, speeds))
-        check_saved_placement(cfg, [h.islands[k].name for k in local])  # before compiling
+        check_saved_placement(cfg, [h.islands[k].name for k in local],  # before compiling
+                              {h.islands[k].name: sum(b - a for a, b in layers[k]) for k in local}
+                              if h.placement == "pipeline" else None)
         self.workers = self._run(local, lambda k: Worker(cfg, k, devices[k], layers[k], dataset, links[k]))
         for w in self.workers:
             log(w.island.describe())
