@@ -57,7 +57,15 @@ def free_ports(count: int, span: int = 1, host: str = "127.0.0.1") -> list[int]:
     and a port the kernel hands to a connection (or to gloo's listeners) meanwhile is
     drawn from that range, never from ours."""
     ports: list[int] = []
-    top = _ephemeral_low() - span
+    low, high = _ephemeral_range()
+    if low - span > _LOWEST_PORT:
+        bottom, top = _LOWEST_PORT, low - span
+    elif high + 1 < 65536 - span:  # a range that starts low may leave room above it
+        bottom, top = high + 1, 65536 - span
+    else:
+        raise ConfigError(f"the kernel's ephemeral ports ({low}-{high}, /proc/sys/net/ipv4/ip_local_port_range) "
+                          f"leave no block of {span} ports outside them for the job's listeners; narrow them, "
+                          f"e.g. sysctl net.ipv4.ip_local_port_range='32768 60999'")
     draw = random.Random()
     with ExitStack() as stack:  # hold every socket until all are chosen: no port twice
         def bind(port):
@@ -67,26 +75,27 @@ def free_ports(count: int, span: int = 1, host: str = "127.0.0.1") -> list[int]:
         for _ in range(1000):
             if len(ports) == count:
                 return ports
-            base = draw.randrange(_LOWEST_PORT, top)
+            base = draw.randrange(bottom, top)
             try:
                 for k in range(span):
                     bind(base + k)
             except OSError:
                 continue  # taken: draw another base
             ports.append(base)
-    raise ConfigError(f"no {count} block(s) of {span} free ports between {_LOWEST_PORT} and {top + span} on "
+    raise ConfigError(f"no {count} block(s) of {span} free ports between {bottom} and {top + span} on "
                       f"{host}; free some")
 
 
 _LOWEST_PORT = 10000
 
 
-def _ephemeral_low() -> int:
-    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+def _ephemeral_range() -> tuple[int, int]:
+    """Linux's ephemeral port range (32768-60999 where it cannot be read)."""
     try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def plan(cfg: Config, stand_in: str = "", host: str = "127.0.0.1") -> list[scheduler.Placement]:

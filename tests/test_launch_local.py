@@ -129,11 +129,18 @@ def test_process_environment_gives_each_process_its_devices(cfg_path):
         local.process_env(real, b, 2, {"HIP_VISIBLE_DEVICES": "4,5"})
 
 
-def test_the_job_s_ports_lie_below_the_kernel_s_ephemeral_range():
-    low = local._ephemeral_low()
-    assert 1024 < low <= 65535
+def test_the_job_s_ports_lie_outside_the_kernel_s_ephemeral_range(monkeypatch):
+    low, high = local._ephemeral_range()
+    assert 1024 < low <= high <= 65535
     for base in local.free_ports(5, span=4):
         assert local._LOWEST_PORT <= base and base + 4 <= low
+    # A range that starts low leaves room above it (it raised a bare ValueError from randrange),
+    # and one that takes every port is named.
+    monkeypatch.setattr(local, "_ephemeral_range", lambda: (1024, 50000))
+    assert all(50000 < base <= 65536 - 4 for base in local.free_ports(3, span=4))
+    monkeypatch.setattr(local, "_ephemeral_range", lambda: (1024, 65535))
+    with pytest.raises(ConfigError, match=r"ephemeral ports \(1024-65535, /proc/sys/net/ipv4/ip_local_port_range\)"):
+        local.free_ports(1, span=4)
 
 
 def test_bad_launcher_input_is_refused_before_anything_starts(cfg_path, tmp_path):

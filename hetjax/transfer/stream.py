@@ -157,7 +157,10 @@ class Stream:
                            f"acknowledged the message (its process died or closed its endpoint; {e})") from None
         if kind == wire.REFUSE:
             raise TransferError(f"send {job.tag!r}: peer {self.address} refused the message: {meta.get('reason')}")
-        assert kind == wire.ACK and meta["tag"] == job.tag, (kind, meta)
+        if kind != wire.ACK or meta.get("tag") != job.tag:  # a protocol check: kept under python -O
+            raise TransferError(f"send {job.tag!r}: peer {self.address} answered with frame kind {kind} for tag "
+                                f"{meta.get('tag')!r}, not the message's acknowledgement; is it a hetjax endpoint "
+                                f"of the same version?")
 
 
 def _payload(data) -> memoryview:
