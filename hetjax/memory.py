@@ -27,14 +27,16 @@ class Estimate:
     activations: int
     per_layer: int  # of the four above, what one more layer adds
     devices: int
+    gathered: int = 0  # weights fsdp gathers whole for their use (embedding, head, a layer)
 
     @property
     def total(self) -> int:
-        return self.parameters + self.optimizer + self.gradients + self.activations
+        return self.parameters + self.optimizer + self.gradients + self.activations + self.gathered
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {getattr(self, k) / GiB:.2f}"
-                          for k in ("parameters", "optimizer", "gradients", "activations"))
+                          for k in ("parameters", "optimizer", "gradients", "activations", "gathered")
+                          if k != "gathered" or self.gathered)
         return f"{self.total / GiB:.2f} GiB per device ({parts})"
 
 
@@ -99,11 +101,15 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
         tokens = math.ceil(cfg.batch_size / cfg.optim.grad_accum_steps / batch_shards) * cfg.seq_len
         activations = tokens * (m.num_layers * per_token_layer + working + logits)
     accumulated = params if cfg.optim.grad_accum_steps > 1 else 0  # the micro-steps' sum beside each one's
+    gathered = 0
+    if mesh.shape["fsdp"] > 1:  # each weight is all-gathered for its use: the embedding and head whole
+        gathered = (sum(l.bytes for l in layouts if l.logical[0] != "layers")  # (a vocabulary's worth each),
+                    + sum(l.bytes / l.shape[0] for l in layouts if l.logical[0] == "layers")) / tensor  # a layer
     return Estimate(
         parameters=params, optimizer=2 * params, gradients=params + accumulated,
         activations=int(activations),
         per_layer=int(4 * layer_params + tokens * per_token_layer),
-        devices=mesh.size)
+        devices=mesh.size, gathered=int(gathered))
 
 
 def device_memory_bytes(cfg: Config, devices=None) -> tuple[int, str]:
