@@ -86,3 +86,13 @@ def test_busy_seconds_count_at_least_this_process_cpu_time():
     busy1, cpu1, wall1 = probe._busy_seconds(), time.process_time(), time.monotonic()
     assert busy1 - busy0 >= cpu1 - cpu0 - 2 * jiffy * os.cpu_count()
     assert busy1 - busy0 <= (wall1 - wall0) * os.cpu_count() + 2 * jiffy * os.cpu_count()
+
+
+def test_a_raw_stream_that_fails_is_an_error_not_a_timing():
+    """The raw baseline's streams run on threads of their own: an error in one used to be
+    printed by the thread and lost, and the probe reported the time as a bandwidth."""
+    a, b = socket.socketpair()
+    b.close()  # the peer is gone
+    with pytest.raises(Exception, match="closed the connection mid-message|connection lost"):
+        probe._in_threads([(wire.recv_into, a, memoryview(bytearray(16)), "raw stream 0")])
+    a.close()

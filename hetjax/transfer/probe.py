@@ -135,9 +135,7 @@ def _send_backend(ctl: Control, msg: dict, params: dict, args) -> None:
             if not socks:  # here, not earlier: the peer accepts once it has sent "go"
                 socks = [wire.connect(peer_addresses[0], secret, args.timeout) for _ in range(streams)]
             parts = np.array_split(payload[msg["go"]], len(socks))
-            threads = [threading.Thread(target=s.sendall, args=(memoryview(p),)) for s, p in zip(socks, parts)]
-            [t.start() for t in threads]
-            [t.join() for t in threads]
+            _in_threads([(s.sendall, memoryview(p)) for s, p in zip(socks, parts)])
             ctl.send(sent=msg["go"])
         [s.close() for s in socks]
         return
@@ -164,11 +162,26 @@ def _raw_receive(listener, streams, buf, conns, secret, timeout_s):
             raise TransferError(f"probe: raw stream from {link.address(*addr[:2])} did not prove the job's secret")
         conns.append(conn)
     parts = np.array_split(buf, streams)
-    threads = [threading.Thread(target=wire.recv_into, args=(c, memoryview(p), f"raw stream {i} of the server"))
-               for i, (c, p) in enumerate(zip(conns, parts))]
+    _in_threads([(wire.recv_into, c, memoryview(p), f"raw stream {i} of the server")
+                 for i, (c, p) in enumerate(zip(conns, parts))])
+    return buf
+
+
+def _in_threads(calls) -> None:
+    """Runs every (function, *args) at once, a thread each, and raises the first error: a
+    raw stream that failed must not pass for a fast one."""
+    errors = []
+
+    def run(fn, *args):
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=call) for call in calls]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    return buf
+    if errors:
+        raise errors[0]
 
 
 def _busy_seconds() -> float | None:
