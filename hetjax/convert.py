@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
-from hetjax import checkpoint, checkpoint_fit, cli, safetensors_io
+from hetjax import checkpoint, checkpoint_fit, checkpoint_init, cli, safetensors_io
 from hetjax.repro import digest
 from hetjax.errors import ConfigError, ConvertError  # noqa: F401 - raised here, caught by callers
 from hetjax.models.llama import ModelConfig
@@ -212,7 +212,7 @@ def import_hf(hf_dir: Path, out_dir: Path, param_dtype: str = "float32", log=pri
 def export_hf(ckpt: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
               log=print) -> list[Path]:
     """Writes config.json and safetensors shards from the parameters of an orbax checkpoint."""
-    directory, step = checkpoint.find_checkpoint_dir(Path(ckpt).absolute())  # orbax: absolute paths only
+    directory, step = checkpoint_init.find_checkpoint_dir(Path(ckpt).absolute())  # orbax: absolute paths only
     manager = checkpoint.Manager(directory, read_only=True)
     try:
         step = max(manager.steps()) if step is None else step
@@ -276,7 +276,7 @@ def _base_hf_config(directory: Path, small, log, hops: int = 4) -> dict | None:
     while meta.get("hf_config") is None and run.get("init_from") and hops:
         hops -= 1
         try:
-            source, step = checkpoint.find_checkpoint_dir(run["init_from"])
+            source, step = checkpoint_init.find_checkpoint_dir(run["init_from"])
             manager = checkpoint.Manager(source, read_only=True)
             try:
                 found = manager.read_json(max(manager.steps()) if step is None else step, "meta", "config")

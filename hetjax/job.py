@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from hetjax import checkpoint, checkpoint_fit, memory, metrics, program, repro, sharding
+from hetjax import checkpoint, checkpoint_fit, checkpoint_init, memory, metrics, program, repro, sharding
 from hetjax import stop as stop_lib
 from hetjax.compile import backend
 from hetjax.errors import ConfigError
@@ -174,11 +174,11 @@ class MeshJob:
                 f"(parameter checksum {checkpoint.params_checksum_of(restored.meta)})")
         elif cfg.init_from:
             split = tuple(cfg.pipeline.stage_layers) if prog.plan is not None and prog.plan.layout.padded else None
-            params = checkpoint.load_params(cfg.init_from, prog.state.params, prog.state_shardings.params,
+            params = checkpoint_init.load_params(cfg.init_from, prog.state.params, prog.state_shardings.params,
                                             log, split, cfg.model)
             if isinstance(self.checkpoints, ModelOrderCheckpoints):
                 params = self.checkpoints.to_pipeline(params, prog.state_shardings.params)
-            self.state, self.start = checkpoint.fresh_state(params, prog.tx, prog.state_shardings), cfg.data.start_step
+            self.state, self.start = checkpoint_init.fresh_state(params, prog.tx, prog.state_shardings), cfg.data.start_step
         else:
             self.state, self.start = prog.init_state(), cfg.data.start_step
         self.eval_step = prog.compile_eval_step()

@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 
-from hetjax import checkpoint
+from hetjax import checkpoint, checkpoint_init
 from hetjax import cli as cli_lib  # `cli` below is the console script's entry point
 from hetjax import config as config_lib
 from hetjax import data, memory, metrics, repro, stop as stop_lib
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     print(line, flush=True)
     dataset = data.build(cfg)  # bad data is reported before anything is compiled
     if cfg.init_from:
-        checkpoint.find_checkpoint_dir(cfg.init_from)  # a wrong path fails before compiling
+        checkpoint_init.find_checkpoint_dir(cfg.init_from)  # a wrong path fails before compiling
     checkpoint.check_layout_kind(cfg)  # another kind of job's checkpoints: refused before compiling
 
     def log(text):

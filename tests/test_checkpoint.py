@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from hetjax import checkpoint, data, orbax_noise, step, train
+from hetjax import checkpoint, checkpoint_init, data, orbax_noise, step, train
 from hetjax.repro import digest
 from hetjax import state as state_lib
 from hetjax.config import CheckpointConfig, ConfigError, MeshConfig
@@ -281,13 +281,13 @@ def test_load_params_skips_a_damaged_checkpoint_and_keeps_it(tmp_path, saved):
     damage_params(tmp_path / "ck" / "4", "overwrite")
     abstract, shardings = abstract_for(MeshConfig(fsdp=2, tensor=4), 8)
     log = []
-    params = checkpoint.load_params(tmp_path / "ck", abstract.params, shardings.params, log=log.append)
+    params = checkpoint_init.load_params(tmp_path / "ck", abstract.params, shardings.params, log=log.append)
     assert any("step 4" in l and ("damaged" in l or "unreadable" in l) for l in log) and "step 2" in log[-1], log
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(saved[1].params))
     assert all(x.sharding == s for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings.params)))
     assert (tmp_path / "ck" / "4").is_dir()  # init_from reads; it moves nothing aside
     with pytest.raises(checkpoint.CheckpointError, match="no readable checkpoint"):
-        checkpoint.load_params(tmp_path / "ck" / "4", abstract.params, shardings.params, log=log.append)
+        checkpoint_init.load_params(tmp_path / "ck" / "4", abstract.params, shardings.params, log=log.append)
 
 
 def test_a_shape_mismatch_names_the_parameter(saved):
@@ -510,6 +510,6 @@ def test_a_checkpoint_of_another_param_dtype_is_verified_as_saved_then_cast(tmp_
     for got, w, s in zip(jax.tree.leaves(restored.state.params), jax.tree.leaves(want), jax.tree.leaves(shardings.params)):
         assert got.dtype == np.float32 and got.sharding == s
         np.testing.assert_array_equal(np.asarray(got), w)
-    params = checkpoint.load_params(tmp_path / "ck", abstract.params, shardings.params)
+    params = checkpoint_init.load_params(tmp_path / "ck", abstract.params, shardings.params)
     jax.tree.map(lambda got, w: np.testing.assert_array_equal(np.asarray(got), w), params, want)
     assert not (tmp_path / checkpoint.CORRUPT_DIR).exists()

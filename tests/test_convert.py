@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from hetjax import checkpoint, convert, safetensors_io
+from hetjax import checkpoint_init, convert, safetensors_io
 from hetjax.repro import digest
 from hetjax import state as state_lib
 from flax import nnx
@@ -50,7 +50,7 @@ def load(directory, m):
     mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     graphdef, abstract = state_lib.abstract_state(m, 0, make_optimizer(OptimConfig(), 1))
     shardings = state_shardings(abstract, mesh, DEFAULT_RULES)
-    return graphdef, checkpoint.load_params(directory, abstract.params, shardings.params, log=lambda _: None)
+    return graphdef, checkpoint_init.load_params(directory, abstract.params, shardings.params, log=lambda _: None)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -155,7 +155,7 @@ def test_a_run_started_from_imported_weights_exports_the_original_token_ids(tmp_
     _, abstract = state_lib.abstract_state(m, 0, optax.sgd(0.1))
     cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     logged = []
-    checkpoint.load_params("imported", abstract.params, jax.tree.map(lambda _: cpu, abstract.params), logged.append,
+    checkpoint_init.load_params("imported", abstract.params, jax.tree.map(lambda _: cpu, abstract.params), logged.append,
                            model=dataclasses.replace(m, norm_eps=1e-3, rope_theta=1e4))
     assert [line for line in logged if "--config.model.norm_eps=1e-06 (this run: 0.001), "
             "--config.model.rope_theta=1000000.0 (this run: 10000.0): these weights now compute another" in line]

@@ -498,7 +498,7 @@ def test_refuses_a_microbatch_that_data_parallelism_cannot_split():
 def test_an_interleaved_pipeline_checkpoints_in_the_model_layer_order(tmp_path):
     # Interleaved stacked layers have the model's shapes in another order: saved as they
     # are, they would restore into any other layout without an error, scrambled.
-    from hetjax import checkpoint, job
+    from hetjax import checkpoint, checkpoint_init, job
     from hetjax.checkpoint_config import CheckpointConfig
     cfg = dataclasses.replace(SMALL, mesh=MeshConfig(pipeline=2, fsdp=1),
                               pipeline=PipelineConfig("gpipe", 4, virtual_stages=2))
@@ -513,7 +513,7 @@ def test_an_interleaved_pipeline_checkpoints_in_the_model_layer_order(tmp_path):
     ckpt.wait()
     flat = dataclasses.replace(cfg, mesh=MeshConfig(fsdp=2), pipeline=PipelineConfig())
     other = program.build(flat, make_mesh(flat.mesh, jax.devices()[:2]))
-    params = checkpoint.load_params(tmp_path / "c", other.state.params, other.state_shardings.params)
+    params = checkpoint_init.load_params(tmp_path / "c", other.state.params, other.state_shardings.params)
     expected = pipeline.from_stages(state.params, prog.plan.layout)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected)))
     restored = ckpt.restore_latest(prog.state, prog.state_shardings)

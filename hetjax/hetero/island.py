@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from hetjax import checkpoint, memory, optim, program, repro, sharding
+from hetjax import checkpoint_init, memory, optim, program, repro, sharding
 from hetjax import state as state_lib
 from hetjax.config import Config
 from hetjax.errors import ConfigError
@@ -284,10 +284,10 @@ class Island:
         checkpoint or an imported Hugging Face model), with a fresh optimizer."""
         _, whole = state_lib.abstract_state(self.cfg.model, self.cfg.seed, self.tx)
         shardings = state_lib.state_shardings(whole.params, self.mesh, self.rules)
-        params = checkpoint.load_params(path, whole.params, shardings, model=self.cfg.model)
+        params = checkpoint_init.load_params(path, whole.params, shardings, model=self.cfg.model)
         params = jax.jit(lambda p: _part_of(self.cfg, self.index, self.chunks or None, self.plan, p),
                          out_shardings=self.shardings.params)(params)
-        return checkpoint.fresh_state(params, self.tx, self.shardings)
+        return checkpoint_init.fresh_state(params, self.tx, self.shardings)
 
 
     def fingerprint(self, params):

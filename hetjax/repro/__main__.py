@@ -90,7 +90,7 @@ def _check_numbers(args) -> None:
     """A tolerance below 0 would fail every comparison, and a count below 1 compare nothing:
     refused, naming the flag, before anything trains."""
     for flag in ("rtol", "norm_rtol"):
-        if getattr(args, flag) < 0:
+        if getattr(args, flag, 0) < 0:
             raise config_lib.ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: a tolerance "
                                          f"is a relative gap, at least 0 (0: bit-identical)")
     for flag in ("steps", "devices", "fingerprint_every"):

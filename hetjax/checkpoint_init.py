@@ -1,0 +1,73 @@
+"""Starting a run from saved weights (config.init_from): where a checkpoint lies in a run
+directory, its parameters read into this run's layout (checked to fit it), and a fresh
+optimizer around them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from hetjax import checkpoint
+from hetjax.checkpoint_fit import check_split, model_differences
+from hetjax.errors import CheckpointError, ConfigError, CorruptCheckpoint
+from hetjax.state import TrainState
+
+
+def find_checkpoint_dir(path: str | Path) -> tuple[Path, int | None]:
+    """(manager directory, step or None for the latest) for a run directory, a
+    checkpoint directory, or one step directory inside it."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config.init_from={str(path)!r}: no such file or directory")
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints", None
+    if (path / "params").is_dir() and path.name.isdigit():
+        return path.parent, int(path.name)
+    if path.is_dir() and any(p.name.isdigit() for p in path.iterdir()):
+        return path, None
+    raise ConfigError(
+        f"config.init_from={str(path)!r} holds no checkpoint: give a run directory, its "
+        f"checkpoints/ directory, one step directory in it, or the output of `python -m hetjax.convert import`")
+
+
+def load_params(path: str | Path, abstract_params, param_shardings, log=print, split=None, model=None):
+    """Parameters only, from a checkpoint, laid out by `param_shardings`; verified. `split`:
+    the uneven pipeline split whose padded rows `abstract_params` stacks (checkpoint_fit's
+    padded_split), None for the model's order; a checkpoint stacked otherwise is refused.
+    `model`: the run's ModelConfig, warned about where its norm or RoPE settings differ from
+    the checkpoint's (the same weights then compute another function)."""
+    directory, step = find_checkpoint_dir(path)
+    manager = checkpoint.Manager(directory, read_only=True)
+    errors = []
+    try:  # closed, so that no orbax thread or logging handler outlives the read
+        for s in reversed(manager.steps() if step is None else [step]):
+            where = manager.where(s)
+            try:
+                saved = manager.read_json(s, "config").get("config")
+                check_split(saved, split, f"config.init_from: {where}",
+                            "start from it with that split (config.mesh.pipeline and "
+                            "config.pipeline.stage_layers), or give a checkpoint in the model's order (python "
+                            "-m hetjax.convert export, then import, writes one)")
+                if model is not None and (differ := model_differences(saved, model)):
+                    log(f"warning: config.init_from: {where} was written by a model with {', '.join(differ)}: "
+                        f"these weights now compute another function than the one they were trained for. "
+                        f"Set those flags to match, unless the change is meant (e.g. a longer context)")
+                small, arrays = manager.read(s, {"params": (abstract_params, param_shardings)})
+            except CorruptCheckpoint as e:
+                log(f"warning: {e}; trying an older one")
+                errors.append(str(e))
+                continue
+            log(f"initialised the parameters from {where} (checksum {checkpoint.params_checksum_of(small.meta)})")
+            return arrays.params
+    finally:
+        manager.close()
+    raise CheckpointError(f"config.init_from={str(path)!r}: no readable checkpoint ({errors or 'none found'})")
+
+
+def fresh_state(params, tx, shardings: TrainState) -> TrainState:
+    """Step 0 and a new optimizer state around given parameters (config.init_from)."""
+    def init(params):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    return jax.jit(init, out_shardings=shardings)(params)
