@@ -75,7 +75,7 @@ class _Inbox:
         the receive with other bytes never written (a repeated or stale chunk)."""
         with self.lock:
             ranges = self.ranges.setdefault((i, j), [])
-            if any(offset < end and start < offset + n for start, end in ranges):
+            if ranges and any(offset < end and start < offset + n for start, end in ranges):
                 raise TransferError(f"recv {self.tag!r}: peer {peer} sent bytes {offset}..{offset + n} of leaf {i}, "
                                     f"piece {j} again; a message's bytes arrive once")
             ranges.append((offset, offset + n))
