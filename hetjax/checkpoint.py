@@ -34,10 +34,11 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_policy
 
 from hetjax import checkpoint_copy, checkpoint_readable, orbax_noise, save_failures
-from hetjax.checkpoint_fit import check_optimizer, check_shapes, saved_dtypes, verify
+from hetjax.checkpoint_fit import check_optimizer, check_shapes, saved_dtypes, shapes, verify
 from hetjax.compile import aot
 from hetjax.checkpoint_config import CheckpointConfig
 from hetjax.errors import CheckpointError, ConfigError, CorruptCheckpoint  # noqa: F401 - raised here, caught by callers
+from hetjax.models.llama import BLOCKS
 from hetjax.state import TrainState
 from hetjax.repro.digest import params_checksum
 
@@ -288,10 +289,9 @@ class Manager:
         """The newest checkpoint that reads and verifies, laid out by `shardings`;
         None if there is none. Damaged ones are reported and moved to `corrupt/`."""
         for step in reversed(self.steps()):
-            partly = bool(checkpoint_readable.marked(self.directory, step))
             if (restored := self.restore_together(step, abstract_state, shardings, log)) is not None:
                 return restored
-            self.move_aside(step, log, why="partly unreadable" if partly else "damaged")
+            self.move_aside(step, log)
         return None
 
     def restore_together(self, step: int, abstract_state: TrainState, shardings: TrainState,
@@ -363,12 +363,8 @@ class Manager:
     def stacked_layers(self, step: int) -> int | None:
         """How many layers checkpoint `step` stacks (padding rows included), from its
         metadata only; None when it has no stacked layers."""
-        for path, x in jax.tree_util.tree_flatten_with_path(
-                getattr(meta := self._item_metadata(step, "params", self.where(step)), "tree", meta),
-                is_leaf=lambda x: hasattr(x, "shape"))[0]:
-            if hasattr(x, "shape") and getattr(path[0], "key", getattr(path[0], "name", None)) == "blocks":
-                return int(x.shape[0])
-        return None
+        saved = shapes(self._item_metadata(step, "params", self.where(step)))
+        return next((int(shape[0]) for name, shape in saved.items() if name.split("/")[0] == BLOCKS), None)
 
     def where(self, step: int) -> str:
         return f"checkpoint step {step} in {self.directory}"
@@ -382,11 +378,14 @@ class Manager:
     def move_aside(self, step: int, log, why: str = "damaged") -> None:
         """Moves checkpoint `step` out of the way (into corrupt/, never deleted). Every
         process calls it; process 0 moves once all are done looking at the step (its notes
-        too), and all see the change before going on."""
+        too), and all see the change before going on. A step with a process's note that it
+        could not read it (checkpoint_readable) is named partly unreadable, whatever `why`."""
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"hetjax checkpoint {step} to move aside")
         if jax.process_index() == 0:
+            if checkpoint_readable.marked(self.directory, step):
+                why = "partly unreadable"
             src = self.directory / str(step)
             dst = self.directory.parent / CORRUPT_DIR / f"{self.directory.name}-{step}-{int(time.time())}"
             dst.parent.mkdir(parents=True, exist_ok=True)

@@ -63,7 +63,7 @@ def model_differences(saved_config: dict | None, model) -> list[str]:
 
 def check_shapes(saved_tree, abstract, where: str, saved_config: dict | None = None) -> None:
     """Raises ConfigError naming the first parameter whose saved shape differs."""
-    saved, wanted = _shapes(saved_tree), _shapes(abstract)
+    saved, wanted = shapes(saved_tree), shapes(abstract)
     hint = ""
     if saved_config and "model" in saved_config:
         hint = f" The checkpoint was written with model config {saved_config['model']}."
@@ -80,18 +80,22 @@ def check_shapes(saved_tree, abstract, where: str, saved_config: dict | None = N
                               f"checkpoint.{hint}")
 
 
-def _shapes(tree) -> dict[str, tuple]:
+def shapes(tree) -> dict[str, tuple]:
     """Array name -> shape, of arrays, abstract ones, or orbax's saved metadata."""
+    return {name: tuple(x.shape) for name, x in _arrays(tree).items()}
+
+
+def _arrays(tree) -> dict:
+    """Array name -> its array, abstract array or orbax metadata."""
     tree = getattr(tree, "tree", tree)  # orbax's TreeMetadata
-    return {path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(
+    return {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: hasattr(x, "shape"))[0] if hasattr(x, "shape")}
 
 
 def saved_dtypes(abstract, saved_tree):
     """`abstract` (ShapeDtypeStructs) with each array's dtype as orbax's metadata says it
     was saved: read so, its checksums can be checked before any cast."""
-    saved = {path_name(p): x.dtype for p, x in jax.tree_util.tree_flatten_with_path(
-        getattr(saved_tree, "tree", saved_tree), is_leaf=lambda x: hasattr(x, "dtype"))[0] if hasattr(x, "dtype")}
+    saved = {name: x.dtype for name, x in _arrays(saved_tree).items()}
     return jax.tree_util.tree_map_with_path(
         lambda p, x: jax.ShapeDtypeStruct(x.shape, saved.get(path_name(p), x.dtype), sharding=x.sharding), abstract)
 
@@ -100,7 +104,7 @@ def check_optimizer(saved_tree, abstract, where: str, saved_config: dict | None 
     """Raises ConfigError when the saved optimizer state has other parts than this config's
     optimizer makes (config.optim changed, e.g. clipping turned on or off): orbax would
     fail to read it, and a sound checkpoint must not pass for a damaged one."""
-    saved, wanted = _shapes(saved_tree), _shapes(abstract)
+    saved, wanted = shapes(saved_tree), shapes(abstract)
     if saved == wanted:
         return
     first = sorted(set(saved) ^ set(wanted)) or sorted(k for k in saved if saved[k] != wanted[k])

@@ -163,19 +163,24 @@ class MeshJob:
                                               peer_timeout_s=cfg.hetero.timeout_s)
         if prog.plan is not None and prog.plan.layout.virtual > 1:
             self.checkpoints = ModelOrderCheckpoints(self.checkpoints, prog.plan.layout, prog.state_shardings)
+        # An uneven split's padded rows: (3, 1) and (1, 3) have the same shapes, and a
+        # checkpoint of one would load into the other scrambled (checkpoint_fit.check_split).
+        split = tuple(cfg.pipeline.stage_layers) if prog.plan is not None and prog.plan.layout.padded else None
         # Resume the run's own checkpoint if it has one (same run_dir, no flag); else
         # start from config.init_from's weights; else initialise.
         restored = self.checkpoints.restore_latest(prog.state, prog.state_shardings, log)
         if restored is not None:
-            if prog.plan is not None and prog.plan.layout.padded:
-                self._check_padded_rows(restored.step, restored.config)
+            if split is not None:
+                checkpoint_fit.check_split(restored.config, split, self.checkpoints.where(restored.step),
+                                           "resume with that split (config.mesh.pipeline and "
+                                           "config.pipeline.stage_layers); no other uneven split can read this "
+                                           "checkpoint")
             self.state, self.start = restored.state, restored.step
             log(f"resumed from step {self.start} of {self.checkpoints.directory} "
                 f"(parameter checksum {checkpoint.params_checksum_of(restored.meta)})")
         elif cfg.init_from:
-            split = tuple(cfg.pipeline.stage_layers) if prog.plan is not None and prog.plan.layout.padded else None
             params = checkpoint_init.load_params(cfg.init_from, prog.state.params, prog.state_shardings.params,
-                                            log, split, cfg.model)
+                                                 log, split, cfg.model)
             if isinstance(self.checkpoints, ModelOrderCheckpoints):
                 params = self.checkpoints.to_pipeline(params, prog.state_shardings.params)
             self.state, self.start = checkpoint_init.fresh_state(params, prog.tx, prog.state_shardings), cfg.data.start_step
@@ -187,14 +192,6 @@ class MeshJob:
             self.batches.set_state(restored.data_state)  # refuses a state saved for other data
             assert self.batches.get_state()["step"] == self.start, (self.batches.get_state(), self.start)
         self.peak, self.peak_source = metrics.peak_flops(cfg, list(mesh.devices.flat))
-
-    def _check_padded_rows(self, step: int, saved: dict) -> None:
-        """An uneven split is saved as the pipeline holds it, padding rows included, and two
-        splits with the same padded shape (stage_layers (3, 1) and (1, 3)) would restore into
-        each other without an error, their layers scrambled: refuse another split."""
-        checkpoint_fit.check_split(saved, tuple(self.cfg.pipeline.stage_layers), self.checkpoints.where(step),
-                                   "resume with that split (config.mesh.pipeline and config.pipeline.stage_layers); "
-                                   "no other uneven split can read this checkpoint")
 
     @property
     def stop_requested(self) -> bool:

@@ -456,7 +456,7 @@ def test_a_damaged_header_or_a_repeated_chunk_is_refused(monkeypatch):
         first = memoryview(np.arange(1024, dtype=np.int32).view(np.uint8))
         meta = {"tag": "u", "leaves": 1, "leaf": 0, "piece": 0, "shape": [3072], "dtype": "int32",
                 "region": [[0, 3072]], "offset": 0, "n": 4096,
-                "sum": wire.chunk_sum(b.checksum, "u", 1, 0, 0, ((0, 3072),), 0, first)}
+                "sum": wire.chunk_sum(b.checksum, 1, 0, 0, 0, first)}
         for _ in range(3):  # chunk 0 three times, chunks 1 and 2 never
             wire.sendall(sock, wire.frame(wire.CHUNK, meta) + first.tobytes(), "b")
         wire.sendall(sock, wire.frame(wire.END, {"tag": "u"}), "b")

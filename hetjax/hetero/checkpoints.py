@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from hetjax import checkpoint, checkpoint_readable, optim
+from hetjax import checkpoint, optim
 from hetjax import state as state_lib
 from hetjax.config import to_dict
 from hetjax.errors import ConfigError
@@ -146,8 +146,7 @@ class Checkpoints:
                                            restored[0].meta, restored[0].config)
             for w in job.workers:  # someone could not read it: set it aside everywhere
                 if step in w.manager.steps():
-                    partly = checkpoint_readable.marked(w.manager.directory, step)
-                    w.manager.move_aside(step, log, why="partly unreadable" if partly else "unusable")
+                    w.manager.move_aside(step, log, why="unusable")
 
 
 def check_placement(cfg, saved: dict | None, where: str) -> None:
@@ -197,9 +196,9 @@ def check_saved_placement(cfg, names, held: dict | None = None) -> None:
             manager.close()
     differ = {n: r for n, (r, _) in saved_layers.items() if held and r is not None and r != held[n]}
     if differ:
-        was = (f"; it was written with the split {tuple(saved_layers[n][0] for n in names)}, which "
-               f"--config.hetero.island_layers={tuple(saved_layers[n][0] for n in names)} restores"
-               if len(saved_layers) == len(names) == len(held) else "")
+        split = tuple(saved_layers[n][0] for n in names) if len(saved_layers) == len(names) == len(held) else None
+        was = f"; it was written with the split {split}, which --config.hetero.island_layers={split} restores" \
+            if split else ""
         name = next(iter(differ))
         raise ConfigError(
             f"{saved_layers[name][1]} holds {differ[name]} layers of island {name!r}, which this start places "

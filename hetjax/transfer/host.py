@@ -75,7 +75,7 @@ class _Inbox:
         the receive with other bytes never written (a repeated or stale chunk)."""
         with self.lock:
             ranges = self.ranges.setdefault((i, j), [])
-            if ranges and any(offset < end and start < offset + n for start, end in ranges):
+            if any(offset < end and start < offset + n for start, end in ranges):
                 raise TransferError(f"recv {self.tag!r}: peer {peer} sent bytes {offset}..{offset + n} of leaf {i}, "
                                     f"piece {j} again; a message's bytes arrive once")
             ranges.append((offset, offset + n))
@@ -346,7 +346,7 @@ class HostEndpoint(Endpoint):
         view = memoryview(buf)[offset:offset + n]
         inbox.handle.arriving()
         wire.recv_into(conn, view, peer)
-        if wire.chunk_sum(self.checksum, tag, len(avals), i, j, region, offset, view) != meta["sum"]:
+        if wire.chunk_sum(self.checksum, len(avals), i, j, offset, view) != meta["sum"]:
             raise TransferError(f"recv {tag!r}: a chunk from peer {peer} (leaf {i}, piece {j}, bytes "
                                 f"{offset}..{offset + n}) failed its {self.cfg.checksum} check: the data was corrupted")
         inbox.activity.touch()

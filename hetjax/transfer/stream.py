@@ -171,7 +171,7 @@ def _chunk_meta(job: Job, i: int, j: int, piece, offset: int, payload: memoryvie
     x = job.leaves[i]
     return {"leaves": len(job.leaves), "leaf": i, "piece": j, "shape": list(x.shape), "dtype": _dtype_name(x.dtype),
             "region": [list(r) for r in piece.region], "offset": offset, "n": payload.nbytes,
-            "sum": wire.chunk_sum(endpoint.checksum, job.tag, len(job.leaves), i, j, piece.region, offset, payload)}
+            "sum": wire.chunk_sum(endpoint.checksum, len(job.leaves), i, j, offset, payload)}
 
 
 @functools.cache

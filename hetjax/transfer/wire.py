@@ -36,7 +36,7 @@ CHECKSUM_FUNCTIONS = {"xxh3": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32, "ad
 SMALL = 64 << 10  # a chunk (or a whole message) this small goes out with its header(s) in one write
 
 
-def chunk_sum(checksum, tag: str, leaves: int, leaf: int, piece: int, region, offset: int, payload) -> int:
+def chunk_sum(checksum, leaves: int, leaf: int, piece: int, offset: int, payload) -> int:
     """A chunk's checksum: its payload's, seeded with the header fields that say where the
     payload lands, so a damaged header (another offset, piece or leaf count) is caught as
     damaged data is. (The tag picks the receive and the region is checked against the
