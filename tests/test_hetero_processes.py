@@ -206,3 +206,21 @@ def test_a_gpu_island_whose_process_finds_only_a_cpu_is_refused_by_name(tmp_path
     assert ("error: config.hetero.islands[cuda].platform='cuda': island 'cuda' process 0 found cpu devices"
             in proc.stderr), proc.stderr[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_island_still_compiling_is_waited_for_not_reported_lost(tmp_path, capsys):
+    """One island compiles eleven layers, the other one: the first waits seconds for the
+    second's first message, far past the link's 1 s timeout_s. The peer answers its pings
+    (naming what it does), so it is busy, not lost: the job trains. (It used to end with a
+    message refused and a peer reported lost, as a CUDA island would when a ROCm one
+    compiles a minute longer under the default 60 s.)"""
+    run_dir = tmp_path / "uneven"
+    code = local.main(["--config", "configs/tiny_hetero.py", "--stand_in", "cpu", "--config.steps=2",
+                       "--config.eval_every=0", "--config.log_every=1", f"--config.run_dir={run_dir}",
+                       "--config.hetero.link.timeout_s=1", "--config.model.num_layers=12",
+                       "--config.hetero.island_layers=(1,11)"])
+    text = capsys.readouterr().out
+    assert code == 0, text[-3000:]
+    assert re.search(r"\[cuda:0\] .*recv 'rocm>cuda/[^']*' from source process 0 at [^:]+:\d+: no data for \d+ s, "
+                     r"but the peer answers \(process 0: island rocm: compiling\)", text), text[-3000:]
+    assert sorted(losses(run_dir)) == [0, 1]

@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -189,6 +190,30 @@ def test_killed_peer_gives_a_timeout_naming_it(backend):
             h.wait()
         assert time.monotonic() - start < timeout_s + 2
     finally:
+        ep.close()
+
+
+def test_a_stopped_peer_is_named_by_its_unanswered_ping():
+    """A peer process that is there but frozen (SIGSTOP: a hung host, a swapped-out
+    process) cannot answer the ping that a silent peer gets (host), so it is named after
+    timeout_s and the ping's own bound, not waited for as a busy one (busy_timeout_s)."""
+    timeout_s = 2.0
+    sender = Peer("send", "host", 30.0)
+    sender_addresses = tuple(sender.line())
+    ep = open_endpoint(LinkConfig(backend="host", timeout_s=timeout_s, busy_timeout_s=600))
+    try:
+        sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("x",)), P("x"))
+        src = Layout((4,), ("a",), (0,) * 4, ("a",))
+        h = ep.recv("case0", jax.ShapeDtypeStruct((8, 8), "float32", sharding=sh), src,
+                    peers={0: sender_addresses})
+        os.kill(sender.child.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(TransferTimeout, match=f"source process 0 at {sender_addresses[0]}.*did not answer a ping"):
+            h.wait()
+        assert time.monotonic() - start < 2 * timeout_s + 2
+    finally:
+        os.kill(sender.child.pid, signal.SIGCONT)
+        sender.close()
         ep.close()
 
 

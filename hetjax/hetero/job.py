@@ -154,6 +154,7 @@ class Worker:
 
     def train_step(self, state, batch, step: int, stop: bool):
         self.timeline.begin(step)
+        self.links.status(f"step {step}")
         state, metrics, stops = self.stage.train_step(state, batch, f"train{step}", stop)
         self.timeline.settle()  # the update's own time is the step's compute, not the loop's
         self.seconds = self.timeline.end()
@@ -214,6 +215,8 @@ class IslandsJob:
         check_saved_placement(cfg, [h.islands[k].name for k in local],  # before compiling
                               {h.islands[k].name: sum(b - a for a, b in layers[k]) for k in local}
                               if h.placement == "pipeline" else None)
+        for k in local:
+            links[k].status("compiling")
         self.workers = self._run(local, lambda k: Worker(cfg, k, devices[k], layers[k], dataset, links[k]))
         for w in self.workers:
             log(w.island.describe())
@@ -225,6 +228,8 @@ class IslandsJob:
         self.peak, self.peak_source = peak_of_job(cfg, [devices[k] for k in local], None if settings is None else
                                                   lambda mine: gather_json(one.links, island_agreed(mine), "peak",
                                                                            one.island.mesh))
+        for k in local:
+            links[k].status("restoring or initializing the state")
         restored = self.checkpoints.restore_latest([w.island.abstract for w in self.workers],
                                                    [w.island.shardings for w in self.workers], log)
         if restored is not None:

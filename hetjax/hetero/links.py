@@ -76,6 +76,12 @@ class Links:
         for ep in self.endpoints.values():
             ep.observer = lambda tag, start, end: timeline.add("host_copy", f"copy {tag}", start, end, "copies")
 
+    def status(self, text: str) -> None:
+        """What this island is doing, told to a peer that pings it while waiting on us
+        (LinkConfig.busy_timeout_s): a peer busy compiling is not a lost one."""
+        for ep in self.endpoints.values():
+            ep.status = f"island {self.names[self.k]}: {text}"
+
     def tag(self, src: int, dst: int, what: str) -> str:
         return f"{self.job_id}{self.names[src]}>{self.names[dst]}/{what}"
 

@@ -36,6 +36,9 @@ class Endpoint:
     # observer(tag, start, end): told of every copy between device and host memory that
     # this endpoint's threads make (perf_counter times); hetjax.hetero.timeline counts them.
     observer = None
+    # What this process is doing (e.g. "compiling", "step 12"), told to a peer that pings
+    # it (host) while it sends nothing; its owner keeps it current.
+    status = "running"
 
     def __init__(self, cfg: LinkConfig, process_index: int | None = None):
         cfg.validate()

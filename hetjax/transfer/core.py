@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import queue
 import sys
@@ -22,6 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hetjax.transfer.link import TransferError, TransferTimeout
 from hetjax.transfer.plan import Layout, Plan, Region, extent, make_plan
 
+log = logging.getLogger("hetjax.transfer")
+
 
 class Handle:
     """A transfer in flight. `wait()` returns its result (the received pytree for a
@@ -33,6 +36,7 @@ class Handle:
     def __init__(self, future: futures.Future | None, describe: str):
         self._future, self._describe = future, describe
         self._idle, self._timeout_s = None, 0.0  # see watch()
+        self._alive, self._busy_timeout_s, self._answered = None, 0.0, 0.0
         self._posted = time.monotonic()
         self._waiting_since: float | None = None  # when wait() was first called (see overdue)
         self.wire_bytes = 0
@@ -54,10 +58,14 @@ class Handle:
         self._future = run_async(fn, *args)
         return self
 
-    def watch(self, idle, timeout_s: float) -> None:
+    def watch(self, idle, timeout_s: float, alive=None, busy_timeout_s: float = 0.0) -> None:
         """wait() raises TransferTimeout once idle() (seconds since the peer last spoke)
-        passes timeout_s."""
+        passes timeout_s. With `alive` (the peers' answer to a ping, None when one does not
+        answer), a silent peer is pinged first, and one that answers is waited for again,
+        up to busy_timeout_s without data: a peer that compiles or restores for longer than
+        timeout_s is busy, not lost."""
         self._idle, self._timeout_s = idle, timeout_s
+        self._alive, self._busy_timeout_s = alive, busy_timeout_s
 
     def done(self) -> bool:
         return self._future.done()
@@ -70,10 +78,30 @@ class Handle:
         now = time.monotonic()
         if self._waiting_since is None:
             return now - self._posted > 10 * timeout_s
-        quiet = now - self._waiting_since
+        quiet = now - max(self._waiting_since, self._answered)  # a ping answered counts as life
         if self._idle is not None:  # bytes of this message count as life too
             quiet = min(quiet, self._idle())
         return quiet > timeout_s
+
+    def _silence(self) -> str | None:
+        """Why this overdue transfer is given up on, or None when its peer answered a ping
+        and the wait goes on."""
+        if self._alive is None:
+            return (f"{self._describe}: no data for {self._timeout_s:g} s (LinkConfig.timeout_s); "
+                    f"the peer stopped answering or never sent")
+        no_data = time.monotonic() - self._waiting_since
+        no_data = no_data if self._idle is None else min(no_data, self._idle())
+        if no_data > self._busy_timeout_s:
+            return (f"{self._describe}: the peer answers pings but sent nothing for {self._busy_timeout_s:g} s "
+                    f"(LinkConfig.busy_timeout_s); raise it if a compilation, restore or step takes longer")
+        status = self._alive()
+        if status is None:
+            return (f"{self._describe}: no data for {self._timeout_s:g} s (LinkConfig.timeout_s), and the peer "
+                    f"did not answer a ping: it died, hangs or cannot be reached")
+        self._answered = time.monotonic()
+        log.warning("%s: no data for %.0f s, but the peer answers (%s); still waiting, up to "
+                    "LinkConfig.busy_timeout_s=%g s", self._describe, no_data, status, self._busy_timeout_s)
+        return None
 
     def arriving(self) -> None:
         """Marks the first byte's arrival (the first call counts)."""
@@ -91,10 +119,11 @@ class Handle:
                     if self._result is None:
                         self._result = (self._spread(self._future.result()),)
                 return self._result[0]
-            if self._idle is not None and self.overdue(self._timeout_s):
-                error = TransferTimeout(
-                    f"{self._describe}: no data for {self._timeout_s:g} s (LinkConfig.timeout_s); "
-                    f"the peer stopped answering or never sent")
+            if (self._idle is not None or self._alive is not None) and self.overdue(self._timeout_s):
+                why = self._silence()
+                if why is None:
+                    continue
+                error = TransferTimeout(why)
                 # Ends the transfer too: a receive given up on is withdrawn (its tag can be
                 # posted again, its buffers go back), and a late message for it is refused.
                 try:
@@ -178,6 +207,18 @@ def _worker(inbox: queue.SimpleQueue) -> None:
     while True:
         inbox.get()()
         _idle.put(inbox)  # one that never returns (a pull from a dead peer) is never reused
+
+
+def progress_idle(handle: Handle):
+    """An idle() for Handle.watch: seconds since the handle's wire_bytes last grew (a
+    send's progress), as seen by the waiter's checks."""
+    seen = [handle.wire_bytes, time.monotonic()]
+
+    def idle() -> float:
+        if handle.wire_bytes != seen[0]:
+            seen[:] = [handle.wire_bytes, time.monotonic()]
+        return time.monotonic() - seen[1]
+    return idle
 
 
 class Activity:

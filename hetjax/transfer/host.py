@@ -126,6 +126,7 @@ class HostEndpoint(Endpoint):
     def __init__(self, cfg, process_index=None):
         super().__init__(cfg, process_index)
         self._secret = cfg.secret()
+        self._ping_s = min(HANDSHAKE_S, cfg.timeout_s)  # a silent peer's ping (Handle.watch)
         self.checksum = wire.CHECKSUM_FUNCTIONS[cfg.checksum]
         self._inboxes: dict[str, _Inbox] = {}
         self.buffers = core.BufferPool()  # where received pieces land
@@ -171,7 +172,8 @@ class HostEndpoint(Endpoint):
         who = ", ".join(f"process {p}" + (f" at {','.join(peers[p])}" if peers and p in peers else "") for p in senders)
         handle = core.Handle(core.futures.Future(), f"recv {tag!r} from source {who}")
         inbox = _Inbox(self, tag, expect, handle)
-        handle.watch(inbox.activity.idle, self.cfg.timeout_s)
+        handle.watch(inbox.activity.idle, self.cfg.timeout_s,
+                     wire.pinger(peers, senders, self._secret, self._ping_s), self.cfg.busy_timeout_s)
         with self._posted:
             if tag in self._inboxes:
                 raise TransferError(f"recv {tag!r}: a receive with this tag is already posted; tags must be unique in flight")
@@ -277,6 +279,9 @@ class HostEndpoint(Endpoint):
                     kind, meta = wire.read_frame(conn, peer, idle_ok=True, timeout_s=self.cfg.timeout_s)
                 except EOFError:
                     return
+                if kind == wire.PING:
+                    wire.send_frame(conn, wire.PONG, {"status": self.status}, peer)
+                    continue
                 tag = meta.get("tag")
                 if kind != wire.END:
                     busy = busy or self._settle(+1)
@@ -312,14 +317,16 @@ class HostEndpoint(Endpoint):
         return change > 0
 
     def _inbox(self, tag, peer) -> _Inbox:
-        """The posted receive for `tag`, waiting up to timeout_s for it to be posted."""
-        deadline = time.monotonic() + self.cfg.timeout_s
+        """The posted receive for `tag`, waiting up to busy_timeout_s for it to be posted:
+        this process is alive, its main thread busy (compiling, restoring, a long step)."""
+        deadline = time.monotonic() + self.cfg.busy_timeout_s
         with self._posted:
             while tag not in self._inboxes:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closing:
                     raise TransferError(f"peer {peer} sent tag {tag!r}, but no receive for it was posted "
-                                        f"within {self.cfg.timeout_s:g} s; message refused")
+                                        f"within {self.cfg.busy_timeout_s:g} s (LinkConfig.busy_timeout_s); "
+                                        f"message refused")
                 self._posted.wait(left)
             return self._inboxes[tag]
 
@@ -364,6 +371,9 @@ class HostEndpoint(Endpoint):
                     work.setdefault(piece.dst_process, []).append((i, j, piece))
         core.check_peers(peers, work, f"send {tag!r}", "destination")
         handle = core.Handle(core.futures.Future(), f"send {tag!r}")
+        # Its streams wait for a busy receiver (busy_timeout_s); a ping tells busy from lost.
+        handle.watch(core.progress_idle(handle), self.cfg.timeout_s,
+                     wire.pinger(peers, sorted(work), self._secret, self._ping_s), self.cfg.busy_timeout_s)
         jobs = []
         for q, items in sorted(work.items()):
             chunks = [(i, j, piece, sub, offset) for i, j, piece in items
@@ -396,8 +406,12 @@ class HostEndpoint(Endpoint):
         return handle
 
     def connect(self, address: str) -> socket.socket:
-        """A new authenticated connection to a peer's `address` (a stream's, on its first use)."""
-        return wire.connect(address, self._secret, self.cfg.timeout_s)
+        """A new authenticated connection to a peer's `address` (a stream's, on its first use).
+        Its writes and its wait for an ACK may outlast timeout_s while the receiver is busy
+        (its receive not yet posted); the send's waiter pings it meanwhile (send)."""
+        sock = wire.connect(address, self._secret, self.cfg.timeout_s)
+        sock.settimeout(self.cfg.busy_timeout_s)
+        return sock
 
     def _streams(self, addresses: tuple[str, ...]) -> list["Stream"]:
         """The streams to one destination process, started on first use."""

@@ -33,6 +33,9 @@ class LinkConfig:
     # TransferTimeout once a receive's wait() has heard nothing this long (host: no byte;
     # local, direct: no message); the time between posting a receive and waiting is not counted
     timeout_s: float = 60.0
+    # host: a peer silent for timeout_s is pinged; one that answers (alive, but compiling,
+    # restoring or in a long step) is waited for, up to this long without data
+    busy_timeout_s: float = 900.0
     chunk_bytes: int = 8 << 20  # unit of checksums and of copy/transfer overlap
     checksum: str = "xxh3"  # xxh3 (64-bit, ~80 GiB/s here) | crc32 (~7) | adler32 (~4), per chunk
 
@@ -46,6 +49,10 @@ class LinkConfig:
             raise ConfigError(f"{prefix}.streams={self.streams!r}: use 1 to 64 parallel TCP streams")
         if not self.timeout_s > 0:
             raise ConfigError(f"{prefix}.timeout_s={self.timeout_s!r}: must be positive (seconds)")
+        if not self.busy_timeout_s >= self.timeout_s:
+            raise ConfigError(f"{prefix}.busy_timeout_s={self.busy_timeout_s!r} is below {prefix}.timeout_s="
+                              f"{self.timeout_s!r}: the wait for a busy peer that still answers must be at least "
+                              f"the wait for a silent one")
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 4096:
             raise ConfigError(f"{prefix}.chunk_bytes={self.chunk_bytes!r}: use at least 4096 (e.g. 8 << 20)")
         if not 0 <= self.port < 65536:

@@ -20,7 +20,7 @@ import numpy as np
 
 from hetjax.errors import PeerLost
 from hetjax.transfer import core, wire
-from hetjax.transfer.link import TransferError
+from hetjax.transfer.link import TransferError, TransferTimeout
 from hetjax.transfer.plan import volume
 
 _counted = threading.Lock()  # guards Handle.wire_bytes across stream threads
@@ -108,10 +108,14 @@ class Stream:
                     self._write(job)
                 self._acknowledged(job)
             except BaseException as e:  # noqa: BLE001 - handed to the message's handle
+                error = e
                 if self.sock is not None:
+                    if isinstance(e, TransferTimeout) and not isinstance(e, PeerLost):  # the socket's timeout
+                        error = TransferTimeout(
+                            f"send {job.tag!r}: peer {self.address} neither read nor acknowledged the message "
+                            f"within {self.endpoint.cfg.busy_timeout_s:g} s (LinkConfig.busy_timeout_s)")
                     self.sock.close()
                     self.sock = None  # reconnect for the next job
-                error = e
             with self.lock:
                 self.queued -= 1
             job.finished(error)
@@ -151,7 +155,7 @@ class Stream:
     def _acknowledged(self, job: Job) -> None:
         """Waits for the receiver's ACK: it verified every chunk of the job."""
         try:
-            kind, meta = wire.read_frame(self.sock, self.address, idle_ok=False, timeout_s=self.endpoint.cfg.timeout_s)
+            kind, meta = wire.read_frame(self.sock, self.address, idle_ok=False, timeout_s=self.endpoint.cfg.busy_timeout_s)
         except PeerLost as e:  # a refusal comes as a REFUSE frame: a bare end means the peer is gone
             raise PeerLost(f"send {job.tag!r}: lost peer {self.address}: its connection ended before it "
                            f"acknowledged the message (its process died or closed its endpoint; {e})") from None

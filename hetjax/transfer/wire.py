@@ -32,6 +32,9 @@ CHUNK, END, ACK, BATCH = 1, 2, 3, 4  # BATCH: a whole small message; an END is i
 # The receiver's refusal of a message, sent before it hangs up: {"tag", "reason"}. A
 # sender that sees the connection end without one knows its peer is gone, not displeased.
 REFUSE = 5
+# A liveness question on a connection of its own, answered from the endpoint's threads
+# with the process's status ({"status"}), whatever its main thread is busy with.
+PING, PONG = 6, 7
 CHECKSUM_FUNCTIONS = {"xxh3": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32, "adler32": zlib.adler32}
 SMALL = 64 << 10  # a chunk (or a whole message) this small goes out with its header(s) in one write
 
@@ -144,9 +147,44 @@ def authenticate(conn, secret: bytes, peer: str, quiet: bool = False) -> bool:
     return True
 
 
-def connect(address: str, secret: bytes, timeout_s: float) -> socket.socket:
+def ping(address: str, secret: bytes, timeout_s: float) -> str | None:
+    """The status of the endpoint at `address`, or None when it does not answer within
+    timeout_s (gone, stopped, unreachable, or not proving the secret)."""
+    try:  # one attempt: a refused connection is a process gone, not one starting
+        sock = connect(address, secret, timeout_s, retry=False)
+    except (TransferError, OSError):
+        return None
+    try:
+        sock.settimeout(timeout_s)
+        send_frame(sock, PING, {}, address)
+        kind, meta = read_frame(sock, address, idle_ok=False, timeout_s=timeout_s)
+        return str(meta.get("status", "")) if kind == PONG else None
+    except (TransferError, OSError, ValueError):
+        return None
+    finally:
+        sock.close()
+
+
+def pinger(peers, processes, secret: bytes, timeout_s: float):
+    """A function giving the statuses of `processes` (by their peers[p] addresses), or
+    None when one does not answer a ping within timeout_s. None (no pings) when a process
+    has no address."""
+    if not peers or not all(peers.get(p) for p in processes):
+        return None
+
+    def alive() -> str | None:
+        answers = []
+        for p in processes:
+            if (status := ping(peers[p][0], secret, timeout_s)) is None:
+                return None
+            answers.append(f"process {p}: {status}")
+        return "; ".join(answers)
+    return alive
+
+
+def connect(address: str, secret: bytes, timeout_s: float, retry: bool = True) -> socket.socket:
     """A connection to `address` ("host:port") on which both sides proved the job's
-    secret; retries while the peer starts, TransferTimeout after timeout_s."""
+    secret; retries while the peer starts (with `retry`), TransferTimeout after timeout_s."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
 
@@ -158,7 +196,7 @@ def connect(address: str, secret: bytes, timeout_s: float) -> socket.socket:
             sock.close()
             raise
 
-    sock, challenge = link.retry(attempt, timeout_s, 0.05, lambda e: TransferTimeout(
+    sock, challenge = link.retry(attempt, timeout_s if retry else 0.0, 0.05, lambda e: TransferTimeout(
         f"peer {address} did not accept a connection within {timeout_s:g} s ({e})"))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     nonce = os.urandom(32)
