@@ -221,6 +221,6 @@ def test_an_island_still_compiling_is_waited_for_not_reported_lost(tmp_path, cap
                        "--config.hetero.island_layers=(1,11)"])
     text = capsys.readouterr().out
     assert code == 0, text[-3000:]
-    assert re.search(r"\[cuda:0\] .*recv 'rocm>cuda/[^']*' from source process 0 at [^:]+:\d+: no data for \d+ s, "
+    assert re.search(r"\[cuda:0\] .*recv 'rocm>cuda/[^']*' from source process 0 at [^:]+:\d+: nothing for \d+ s, "
                      r"but the peer answers \(process 0: island rocm: compiling\)", text), text[-3000:]
     assert sorted(losses(run_dir)) == [0, 1]

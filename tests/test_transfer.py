@@ -208,7 +208,7 @@ def test_wrong_shape_dtype_or_tag_is_refused():
     # long as the sender, pinging it, waits for its acknowledgement: which side gives up
     # first is a race, so the sender sees the receiver's refusal or one of its own timeouts.
     with pytest.raises(TransferError, match="sent tag 'other', but no receive for it was posted within 3 s|"
-                                            "answers pings but sent nothing for 3 s|"
+                                            "nothing moved for 3 s|"
                                             "neither read nor acknowledged the message within 3 s"):
         a.send(x, "other", sh, peers={0: b.addresses}).wait()
     with pytest.raises(TransferTimeout, match="recv 'expected' from source process 0"):
@@ -275,11 +275,25 @@ def test_a_busy_peer_is_waited_for_until_busy_timeout_s(caplog):
     try:
         r = b.recv("never", like, sh, peers={0: a.addresses})
         t0 = time.monotonic()
-        with pytest.raises(TransferTimeout, match=r"answers pings but sent nothing for 1.5 s \(LinkConfig.busy_timeout_s\)"):
+        with pytest.raises(TransferTimeout, match=r"answers pings \(process 0: running\) but nothing moved for 1.5 s \(LinkConfig.busy_timeout_s\)"):
             r.wait()
         assert 1.5 < time.monotonic() - t0 < 6
     finally:
         a.close(), b.close()
+
+    a, b, c = endpoints("host", timeout_s=0.5, busy_timeout_s=0.5) + (open_endpoint(LinkConfig(timeout_s=0.5)),)
+    try:
+        r = b.recv("closed", like, sh, peers={0: a.addresses})
+        threading.Timer(0.1, b.close).start()  # our own endpoint closed under a wait ends it, pings or not
+        with pytest.raises(TransferError, match="recv 'closed': this endpoint was closed"):
+            r.wait()
+        a.close()  # a peer gone is named as one, not as busy (even with busy_timeout_s == timeout_s)
+        r = c.recv("gone", like, sh, peers={0: a.addresses})
+        with pytest.raises(TransferTimeout, match=r"nothing for 0.5 s \(LinkConfig.timeout_s\), and process 0 at "
+                                                  r"127.0.0.1:\d+ did not answer a ping \(.*refused"):
+            r.wait()
+    finally:
+        a.close(), b.close(), c.close()
 
 
 def test_a_timed_out_receive_is_withdrawn_and_its_tag_can_be_posted_again():
@@ -289,7 +303,7 @@ def test_a_timed_out_receive_is_withdrawn_and_its_tag_can_be_posted_again():
     like = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
     try:
         r = b.recv("t", like, sh, peers={0: a.addresses})
-        with pytest.raises(TransferTimeout, match="sent nothing for 0.5 s"):
+        with pytest.raises(TransferTimeout, match="nothing moved for 0.5 s"):
             r.wait()
         assert r.done() and isinstance(r.future.exception(), TransferTimeout)
         out, _, _ = move(a, b, x, sh)  # the same tag, posted again, receives the message

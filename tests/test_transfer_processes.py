@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
 import jax
@@ -196,24 +197,57 @@ def test_killed_peer_gives_a_timeout_naming_it(backend):
 def test_a_stopped_peer_is_named_by_its_unanswered_ping():
     """A peer process that is there but frozen (SIGSTOP: a hung host, a swapped-out
     process) cannot answer the ping that a silent peer gets (host), so it is named after
-    timeout_s and the ping's own bound, not waited for as a busy one (busy_timeout_s)."""
+    timeout_s and the ping's own bound, not waited for as a busy one (busy_timeout_s):
+    a receive from a frozen sender, and a send to a frozen receiver, whose stream is then
+    free for the next message once the receiver thaws."""
     timeout_s = 2.0
-    sender = Peer("send", "host", 30.0)
-    sender_addresses = tuple(sender.line())
-    ep = open_endpoint(LinkConfig(backend="host", timeout_s=timeout_s, busy_timeout_s=600))
+    sender, receiver = Peer("send", "host", 30.0), Peer("lowfiles", 1024, 30.0)
+    sender_addresses, receiver_address = tuple(sender.line()), receiver.line()[0]
+    ep = open_endpoint(LinkConfig(backend="host", timeout_s=timeout_s, busy_timeout_s=600, streams=1))
+    stopped = []
     try:
         sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("x",)), P("x"))
         src = Layout((4,), ("a",), (0,) * 4, ("a",))
+        dst = Layout((4,), ("x",), (0,) * 4, (None, "x"))
+        big = {"tag": "to-frozen", "shape": [2048, 1024], "dtype": "float32", "seed": 4,
+               "src": TRAP[2].to_json(), "dst": dst.to_json()}
+
+        def send_small(tag):  # to the receiver, which checks it
+            small = dict(big, tag=tag, shape=[8, 8], seed=5)
+            receiver.tell({"peers": {0: ep.addresses}, "cases": [small]})
+            y = jax.device_put(case_array(small), sharding_on(TRAP[2], jax.devices()))
+            return ep.send(y, tag, dst, peers={0: (receiver_address,)})
+
+        send_small("before").wait()  # the stream is connected: what follows is the waiter's ping
+        assert receiver.line()["ok"]
         h = ep.recv("case0", jax.ShapeDtypeStruct((8, 8), "float32", sharding=sh), src,
                     peers={0: sender_addresses})
-        os.kill(sender.child.pid, signal.SIGSTOP)
+        for peer in (sender, receiver):
+            os.kill(peer.child.pid, signal.SIGSTOP)
+            stopped.append(peer)
         start = time.monotonic()
-        with pytest.raises(TransferTimeout, match=f"source process 0 at {sender_addresses[0]}.*did not answer a ping"):
+        with pytest.raises(TransferTimeout, match=f"source process 0 at {sender_addresses[0]}: nothing for 2 s "
+                                                  rf"\(LinkConfig.timeout_s\), and process 0 at .* did not answer a ping"):
             h.wait()
         assert time.monotonic() - start < 2 * timeout_s + 2
+
+        x = jax.device_put(case_array(big), sharding_on(TRAP[2], jax.devices()))
+        start = time.monotonic()
+        with pytest.raises(TransferTimeout, match=f"send 'to-frozen' to destination process 0 at {receiver_address}: "
+                                                  f"nothing for 2 s .* did not answer a ping"):
+            ep.send(x, "to-frozen", dst, peers={0: (receiver_address,)}).wait()
+        assert time.monotonic() - start < 2 * timeout_s + 2
+        os.kill(receiver.child.pid, signal.SIGCONT)
+        stopped.remove(receiver)
+        after = send_small("after")
+        assert futures.wait([after.future], timeout=30).done, "the stream is still stuck on the message given up on"
+        after.wait()
+        assert receiver.line()["ok"]
     finally:
-        os.kill(sender.child.pid, signal.SIGCONT)
+        for peer in stopped:
+            os.kill(peer.child.pid, signal.SIGCONT)
         sender.close()
+        receiver.close()
         ep.close()
 
 

@@ -247,6 +247,8 @@ class IslandsJob:
             self.run_dir = self.run_dir / "islands" / f"{settings.island}-{settings.process_id}"
         self._digests: dict = {}  # step -> the end of its batch digest (digest_batch)
         self._identical = None  # the started comparison of parameters (check_identical)
+        for w in self.workers:
+            w.links.status("comparing the islands' first parameters")
         try:  # islands start from the same parameters; this also compiles the hashing before step 1
             self._start_identical(self.state, self.start)
             self.read_identical()

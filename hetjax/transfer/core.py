@@ -89,18 +89,18 @@ class Handle:
         if self._alive is None:
             return (f"{self._describe}: no data for {self._timeout_s:g} s (LinkConfig.timeout_s); "
                     f"the peer stopped answering or never sent")
+        answered, said = self._alive()
+        if not answered:
+            return f"{self._describe}: nothing for {self._timeout_s:g} s (LinkConfig.timeout_s), and {said}"
         no_data = time.monotonic() - self._waiting_since
         no_data = no_data if self._idle is None else min(no_data, self._idle())
         if no_data > self._busy_timeout_s:
-            return (f"{self._describe}: the peer answers pings but sent nothing for {self._busy_timeout_s:g} s "
-                    f"(LinkConfig.busy_timeout_s); raise it if a compilation, restore or step takes longer")
-        status = self._alive()
-        if status is None:
-            return (f"{self._describe}: no data for {self._timeout_s:g} s (LinkConfig.timeout_s), and the peer "
-                    f"did not answer a ping: it died, hangs or cannot be reached")
+            return (f"{self._describe}: the peer answers pings ({said}) but nothing moved for "
+                    f"{self._busy_timeout_s:g} s (LinkConfig.busy_timeout_s); raise it if a compilation, restore "
+                    f"or step takes longer")
         self._answered = time.monotonic()
-        log.warning("%s: no data for %.0f s, but the peer answers (%s); still waiting, up to "
-                    "LinkConfig.busy_timeout_s=%g s", self._describe, no_data, status, self._busy_timeout_s)
+        log.warning("%s: nothing for %.0f s, but the peer answers (%s); still waiting, up to "
+                    "LinkConfig.busy_timeout_s=%g s", self._describe, no_data, said, self._busy_timeout_s)
         return None
 
     def arriving(self) -> None:

@@ -1,20 +1,14 @@
 """The `host` backend: device -> host buffer -> N TCP streams -> host buffer -> device.
 
-Each process listens on its NIC addresses (loopback by default). A sender opens
-`streams` connections to each destination process it feeds (stream i to the peer's
-address i % len), proves the job's shared secret by HMAC challenge-response (both
-ways), then pushes chunks: a small JSON header (tag, leaf, piece, shape, dtype,
-region, offset, length, checksum) and the payload; a message of at most 64 KiB goes as
-one frame, the headers of all its chunks and then their payloads. The receiver checks the header
-against its own plan before reading the payload into place, verifies the checksum,
-and moves a block to the device as soon as its pieces are in, while other chunks
-are still on the wire. Each stream has one sending thread for the life of the
-endpoint, which starts copying its next chunk off the device while it sends the
-current one; a message smaller than a MiB takes one stream (its chunks, END, ACK). A
-small message whose arrays are ready goes out on the caller's thread when its stream is
-idle, which saves a thread hop (its ACK is still read by the stream's thread).
-This module is the endpoint and its receiving side; the frames and the handshake are in
-wire.py, the sending streams in stream.py.
+Each process listens on its NIC addresses (loopback by default). A sender opens `streams`
+connections to each destination process it feeds (stream i to the peer's address i % len),
+proves the job's shared secret by HMAC challenge-response (both ways), then pushes chunks:
+a JSON header (tag, leaf, piece, shape, dtype, region, offset, length, checksum) and the
+payload (a message of at most 64 KiB: one frame, all headers then all payloads). The
+receiver checks each header against its own plan before reading the payload into place,
+verifies the checksum, and moves a block to the device as soon as its pieces are in.
+This module is the endpoint and its receiving side; the frames, the handshake and the
+pings are in wire.py, the sending streams in stream.py.
 """
 
 from __future__ import annotations
@@ -370,7 +364,8 @@ class HostEndpoint(Endpoint):
                 if piece.src_process == self.process:
                     work.setdefault(piece.dst_process, []).append((i, j, piece))
         core.check_peers(peers, work, f"send {tag!r}", "destination")
-        handle = core.Handle(core.futures.Future(), f"send {tag!r}")
+        who = ", ".join(f"process {q} at {','.join(peers[q])}" for q in sorted(work))
+        handle = core.Handle(core.futures.Future(), f"send {tag!r} to destination {who}")
         # Its streams wait for a busy receiver (busy_timeout_s); a ping tells busy from lost.
         handle.watch(core.progress_idle(handle), self.cfg.timeout_s,
                      wire.pinger(peers, sorted(work), self._secret, self._ping_s), self.cfg.busy_timeout_s)
@@ -403,6 +398,8 @@ class HostEndpoint(Endpoint):
 
         for stream, chunks in jobs:
             stream.put(Job(tag, leaves, plans, chunks, handle, finished, {}, {}, is_small(leaves, chunks)))
+        # A send its waiter gave up on (TransferTimeout) frees its streams for the next ones.
+        handle.future.add_done_callback(lambda f: [s.abort(tag) for s, _ in jobs] if f.exception() else None)
         return handle
 
     def connect(self, address: str) -> socket.socket:
@@ -447,4 +444,7 @@ class HostEndpoint(Endpoint):
                 for stream in streams:
                     stream.close()
         with self._posted:
+            inboxes = list(self._inboxes.values())
             self._posted.notify_all()
+        for inbox in inboxes:  # their waiters would otherwise ping a live peer until busy_timeout_s
+            inbox.fail(TransferError(f"recv {inbox.tag!r}: this endpoint was closed"))

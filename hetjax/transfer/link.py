@@ -49,7 +49,7 @@ class LinkConfig:
             raise ConfigError(f"{prefix}.streams={self.streams!r}: use 1 to 64 parallel TCP streams")
         if not self.timeout_s > 0:
             raise ConfigError(f"{prefix}.timeout_s={self.timeout_s!r}: must be positive (seconds)")
-        if not self.busy_timeout_s >= self.timeout_s:
+        if self.backend == "host" and not self.busy_timeout_s >= self.timeout_s:
             raise ConfigError(f"{prefix}.busy_timeout_s={self.busy_timeout_s!r} is below {prefix}.timeout_s="
                               f"{self.timeout_s!r}: the wait for a busy peer that still answers must be at least "
                               f"the wait for a silent one")

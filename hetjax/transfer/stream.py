@@ -57,6 +57,7 @@ class Stream:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # (job, already written)
         self.closed, self.lock = False, threading.Lock()
         self.queued = 0  # jobs put and not yet finished by the thread; 0: it leaves the socket alone
+        self.current = None  # the tag of the message the thread is on
         threading.Thread(target=self._run, daemon=True, name=f"hetjax-send-{address}").start()
 
     def put(self, job: Job) -> None:
@@ -84,9 +85,19 @@ class Stream:
         with self.lock:
             self.closed = True
             self.jobs.put(None)
-            sock = self.sock
-        if sock is not None:  # wakes the thread if it waits for an ACK
-            sock.close()
+        self.abort(None)
+
+    def abort(self, tag) -> None:
+        """Cuts the connection if the thread is on message `tag` (None: any), which wakes
+        it from a write or an ACK wait (a bare close() would not, on Linux); it reconnects
+        for the next message."""
+        with self.lock:
+            sock = self.sock if tag is None or self.current == tag else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # not connected any more
+                pass
 
     def _run(self) -> None:
         try:
@@ -99,6 +110,8 @@ class Stream:
         while (item := self.jobs.get()) is not None:
             job, written = item
             error = None
+            with self.lock:
+                self.current = job.tag
             try:
                 if self.closed:
                     raise TransferError(f"send {job.tag!r}: the endpoint is closed")
@@ -118,6 +131,7 @@ class Stream:
                     self.sock = None  # reconnect for the next job
             with self.lock:
                 self.queued -= 1
+                self.current = None
             job.finished(error)
 
     def _write(self, job: Job) -> None:

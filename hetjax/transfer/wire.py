@@ -147,38 +147,39 @@ def authenticate(conn, secret: bytes, peer: str, quiet: bool = False) -> bool:
     return True
 
 
-def ping(address: str, secret: bytes, timeout_s: float) -> str | None:
-    """The status of the endpoint at `address`, or None when it does not answer within
-    timeout_s (gone, stopped, unreachable, or not proving the secret)."""
+def ping(address: str, secret: bytes, timeout_s: float) -> tuple[str | None, str]:
+    """(the status of the endpoint at `address`, "") when it answers within timeout_s;
+    (None, why not) when it does not: gone, stopped, unreachable, or another secret."""
     try:  # one attempt: a refused connection is a process gone, not one starting
         sock = connect(address, secret, timeout_s, retry=False)
-    except (TransferError, OSError):
-        return None
+    except (TransferError, OSError) as e:
+        return None, str(e)
     try:
         sock.settimeout(timeout_s)
         send_frame(sock, PING, {}, address)
         kind, meta = read_frame(sock, address, idle_ok=False, timeout_s=timeout_s)
-        return str(meta.get("status", "")) if kind == PONG else None
-    except (TransferError, OSError, ValueError):
-        return None
+        return (str(meta.get("status", "")), "") if kind == PONG else (None, f"answered with frame kind {kind}")
+    except (TransferError, OSError, ValueError) as e:
+        return None, str(e)
     finally:
         sock.close()
 
 
 def pinger(peers, processes, secret: bytes, timeout_s: float):
-    """A function giving the statuses of `processes` (by their peers[p] addresses), or
-    None when one does not answer a ping within timeout_s. None (no pings) when a process
-    has no address."""
+    """A function that pings `processes` (at their peers[p] addresses): (True, their
+    statuses) when all answer, (False, which one did not and why) otherwise. None (no
+    pings) when a process has no address."""
     if not peers or not all(peers.get(p) for p in processes):
         return None
 
-    def alive() -> str | None:
+    def alive() -> tuple[bool, str]:
         answers = []
         for p in processes:
-            if (status := ping(peers[p][0], secret, timeout_s)) is None:
-                return None
+            status, why = ping(peers[p][0], secret, timeout_s)
+            if status is None:
+                return False, f"process {p} at {peers[p][0]} did not answer a ping ({why})"
             answers.append(f"process {p}: {status}")
-        return "; ".join(answers)
+        return True, "; ".join(answers)
     return alive
 
 
