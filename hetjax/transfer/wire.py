@@ -154,8 +154,7 @@ def ping(address: str, secret: bytes, timeout_s: float) -> tuple[str | None, str
         sock = connect(address, secret, timeout_s, retry=False)
     except (TransferError, OSError) as e:
         return None, str(e)
-    try:
-        sock.settimeout(timeout_s)
+    try:  # the connection keeps connect's timeout_s for each read and write
         send_frame(sock, PING, {}, address)
         kind, meta = read_frame(sock, address, idle_ok=False, timeout_s=timeout_s)
         return (str(meta.get("status", "")), "") if kind == PONG else (None, f"answered with frame kind {kind}")
