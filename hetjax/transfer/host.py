@@ -120,7 +120,7 @@ class HostEndpoint(Endpoint):
     def __init__(self, cfg, process_index=None):
         super().__init__(cfg, process_index)
         self._secret = cfg.secret()
-        self._ping_s = min(HANDSHAKE_S, cfg.timeout_s)  # a silent peer's ping (Handle.watch)
+        self._ping_s = HANDSHAKE_S  # a silent peer's ping; not timeout_s: a starved peer answers late
         self.checksum = wire.CHECKSUM_FUNCTIONS[cfg.checksum]
         self._inboxes: dict[str, _Inbox] = {}
         self.buffers = core.BufferPool()  # where received pieces land
@@ -242,7 +242,7 @@ class HostEndpoint(Endpoint):
     def _handshake(self, conn, peer) -> bool:
         """The secret's handshake under its own short deadline; False (refused) when the
         peer does not prove the secret in time. Leaves the unauthenticated count."""
-        deadline = min(HANDSHAKE_S, self.cfg.timeout_s)
+        deadline = HANDSHAKE_S
         try:
             conn.settimeout(deadline)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
