@@ -296,6 +296,37 @@ def test_a_busy_peer_is_waited_for_until_busy_timeout_s(caplog):
         a.close(), b.close(), c.close()
 
 
+def test_a_silent_receive_pings_only_the_senders_that_still_owe_data(caplog):
+    """A receive from two sender processes: process 0 delivered its rows and exited (its
+    port refuses), process 1 is busy. The receive waits for process 1 instead of naming
+    process 0, which owes nothing, lost (a sender island that finished may exit)."""
+    gone, busy, b = (open_endpoint(LinkConfig(timeout_s=0.5, busy_timeout_s=2.5)) for _ in range(3))
+    busy.status = "compiling"
+    gone_address = gone.addresses
+    gone.close()
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))
+    src = Layout((4,), ("a",), (0, 0, 1, 1), ("a", None))  # rows 0..3 from process 0, 4..7 from 1
+    like = jax.ShapeDtypeStruct((8, 4), "int32", sharding=sh)
+    try:
+        with caplog.at_level(logging.WARNING, logger="hetjax.transfer"):
+            r = b.recv("two senders", like, src, peers={0: gone_address, 1: busy.addresses})
+            inbox = b._inboxes["two senders"]
+            assert inbox.missing_from() == [0, 1]
+            for (i, j), n in list(inbox.left.items()):  # process 0's rows, as its stream lands them
+                if inbox.source[i, j] == 0:
+                    inbox.claim(i, j, 0, n, "process 0")
+                    inbox.arrived(i, j, n)
+            assert inbox.missing_from() == [1]
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeout, match=r"answers pings \(process 1: compiling\) but nothing moved "
+                                                      r"for 2.5 s \(LinkConfig.busy_timeout_s\)"):
+                r.wait()
+            assert 2.0 < time.monotonic() - t0 < 10
+        assert "did not answer a ping" not in caplog.text, caplog.text
+    finally:
+        busy.close(), b.close()
+
+
 def test_a_timed_out_receive_is_withdrawn_and_its_tag_can_be_posted_again():
     a, b = endpoints("host", timeout_s=0.5, busy_timeout_s=0.5)
     sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))

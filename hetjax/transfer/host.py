@@ -7,8 +7,8 @@ a JSON header (tag, leaf, piece, shape, dtype, region, offset, length, checksum)
 payload (a message of at most 64 KiB: one frame, all headers then all payloads). The
 receiver checks each header against its own plan before reading the payload into place,
 verifies the checksum, and moves a block to the device as soon as its pieces are in.
-This module is the endpoint and its receiving side; the frames, the handshake and the
-pings are in wire.py, the sending streams in stream.py.
+This module is the endpoint and its receiving side; a posted receive is inbox.py, the
+frames, the handshake and the pings are in wire.py, the sending streams in stream.py.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import numpy as np
 
 from hetjax.transfer import core, link, wire
 from hetjax.transfer.api import Endpoint, check_leaf
+from hetjax.transfer.inbox import Inbox
 from hetjax.transfer.link import TransferError, TransferTimeout
-from hetjax.transfer.plan import extent, split
+from hetjax.transfer.plan import split
 from hetjax.transfer.stream import Job, Stream, is_small
 
 log = logging.getLogger("hetjax.transfer")
@@ -44,76 +45,9 @@ HANDSHAKE_S = 5.0
 REFUSAL_LOG_S = 10.0
 
 
-class _Inbox:
-    """One posted receive: buffers for the pieces this process expects, and progress."""
-
-    def __init__(self, endpoint, tag, expect, handle):
-        self.tag, self.expect, self.handle, self.endpoint = tag, expect, handle, endpoint
-        self.lock = threading.Lock()
-        self.activity = core.Activity()
-        self.future = handle.future
-        self.buffers, self.left, self.group_left, self.blocks, self.ranges = {}, {}, {}, [], {}
-        for i, (aval, plan) in enumerate(zip(expect.avals, expect.plans)):
-            self.blocks.append({})
-            for j, piece in enumerate(plan.pieces):
-                if piece.dst_process == endpoint.process:
-                    shape = extent(piece.region)
-                    self.buffers[i, j] = endpoint.buffers.take(shape, aval.dtype)
-                    self.left[i, j] = piece.nbytes
-                    self.group_left[i, piece.group] = self.group_left.get((i, piece.group), 0) + 1
-        self.groups_left = len(self.group_left)
-        self.process = endpoint.process
-
-    def claim(self, i: int, j: int, offset: int, n: int, peer) -> None:
-        """Refuses bytes of a piece that already arrived: counted twice, they would finish
-        the receive with other bytes never written (a repeated or stale chunk)."""
-        with self.lock:
-            ranges = self.ranges.setdefault((i, j), [])
-            if any(offset < end and start < offset + n for start, end in ranges):
-                raise TransferError(f"recv {self.tag!r}: peer {peer} sent bytes {offset}..{offset + n} of leaf {i}, "
-                                    f"piece {j} again; a message's bytes arrive once")
-            ranges.append((offset, offset + n))
-
-    def arrived(self, i: int, j: int, n: int) -> None:
-        """Counts n verified bytes of piece j of leaf i; finishes blocks and the receive."""
-        with self.lock:
-            self.handle.wire_bytes += n
-            self.left[i, j] -= n
-            if self.left[i, j]:
-                return
-            plan = self.expect.plans[i]
-            gi = plan.pieces[j].group
-            self.group_left[i, gi] -= 1
-            if self.group_left[i, gi]:
-                return
-        # The block is complete. A large one goes host -> device now, while other chunks
-        # still arrive; small ones go together when the message is in (build: one call).
-        t = time.perf_counter()
-        group = plan.groups[gi]
-        parts = [(p, self.buffers[i, k]) for k, p in enumerate(plan.pieces) if (i, k) in self.buffers and p.group == gi]
-        block = core.block_from_host_pieces(group, parts, self.expect.avals[i].dtype)
-        if block.nbytes > wire.SMALL:
-            block = jax.device_put(block, self.expect.avals[i].sharding.mesh.devices.flat[group.receiver])
-            self.endpoint.copied(self.tag, t)
-        with self.lock:
-            self.blocks[i][gi] = block
-            self.groups_left -= 1
-            finished = self.groups_left == 0
-        if finished:
-            self.finish()
-
-    def finish(self):
-        try:
-            out = [core.build(a, p, d, self.process, b)
-                   for a, p, d, b in zip(self.expect.avals, self.expect.plans, self.expect.dst, self.blocks)]
-            self.future.set_result(jax.tree.unflatten(self.expect.treedef, out))
-        except Exception as e:  # noqa: BLE001 - handed to the waiter
-            self.fail(e)
-
-    def fail(self, error: Exception) -> None:
-        with self.lock:  # two streams may fail one receive at once
-            if not self.future.done():
-                self.future.set_exception(error)
+def _named(peers, processes) -> str:
+    """'process 0 at 10.0.0.1:5000, process 1': the peers a message's description names."""
+    return ", ".join(f"process {p}" + (f" at {','.join(peers[p])}" if peers and p in peers else "") for p in processes)
 
 
 class HostEndpoint(Endpoint):
@@ -122,7 +56,7 @@ class HostEndpoint(Endpoint):
         self._secret = cfg.secret()
         self._ping_s = HANDSHAKE_S  # a silent peer's ping; not timeout_s: a starved peer answers late
         self.checksum = wire.CHECKSUM_FUNCTIONS[cfg.checksum]
-        self._inboxes: dict[str, _Inbox] = {}
+        self._inboxes: dict[str, Inbox] = {}
         self.buffers = core.BufferPool()  # where received pieces land
         self._posted = threading.Condition()
         self._pipes: dict[tuple, list[Stream]] = {}
@@ -163,11 +97,10 @@ class HostEndpoint(Endpoint):
     def recv(self, tag, like, src, peers=None):
         expect = self.prepare_recv(tag, like, src)
         senders = sorted({p.src_process for plan in expect.plans for p in plan.received_by(self.process)})
-        who = ", ".join(f"process {p}" + (f" at {','.join(peers[p])}" if peers and p in peers else "") for p in senders)
-        handle = core.Handle(core.futures.Future(), f"recv {tag!r} from source {who}")
-        inbox = _Inbox(self, tag, expect, handle)
+        handle = core.Handle(core.futures.Future(), f"recv {tag!r} from source {_named(peers, senders)}")
+        inbox = Inbox(self, tag, expect, handle)
         handle.watch(inbox.activity.idle, self.cfg.timeout_s,
-                     wire.pinger(peers, senders, self._secret, self._ping_s), self.cfg.busy_timeout_s)
+                     wire.pinger(peers, senders, self._secret, self._ping_s, inbox.missing_from), self.cfg.busy_timeout_s)
         with self._posted:
             if tag in self._inboxes:
                 raise TransferError(f"recv {tag!r}: a receive with this tag is already posted; tags must be unique in flight")
@@ -310,7 +243,7 @@ class HostEndpoint(Endpoint):
             self._quiet.notify_all()
         return change > 0
 
-    def _inbox(self, tag, peer) -> _Inbox:
+    def _inbox(self, tag, peer) -> Inbox:
         """The posted receive for `tag`, waiting up to busy_timeout_s for it to be posted:
         this process is alive, its main thread busy (compiling, restoring, a long step)."""
         deadline = time.monotonic() + self.cfg.busy_timeout_s
@@ -324,7 +257,7 @@ class HostEndpoint(Endpoint):
                 self._posted.wait(left)
             return self._inboxes[tag]
 
-    def _chunk(self, conn, peer, inbox: _Inbox, meta: dict) -> None:
+    def _chunk(self, conn, peer, inbox: Inbox, meta: dict) -> None:
         tag, i, j = inbox.tag, meta["leaf"], meta["piece"]
         if not isinstance(i, int) or not isinstance(j, int):
             raise TransferError(f"recv {tag!r}: peer {peer} sent a chunk header without leaf and piece numbers")
@@ -364,8 +297,7 @@ class HostEndpoint(Endpoint):
                 if piece.src_process == self.process:
                     work.setdefault(piece.dst_process, []).append((i, j, piece))
         core.check_peers(peers, work, f"send {tag!r}", "destination")
-        who = ", ".join(f"process {q} at {','.join(peers[q])}" for q in sorted(work))
-        handle = core.Handle(core.futures.Future(), f"send {tag!r} to destination {who}")
+        handle = core.Handle(core.futures.Future(), f"send {tag!r} to destination {_named(peers, sorted(work))}")
         # Its streams wait for a busy receiver (busy_timeout_s); a ping tells busy from lost.
         handle.watch(core.progress_idle(handle), self.cfg.timeout_s,
                      wire.pinger(peers, sorted(work), self._secret, self._ping_s), self.cfg.busy_timeout_s)

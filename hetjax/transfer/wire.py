@@ -164,21 +164,22 @@ def ping(address: str, secret: bytes, timeout_s: float) -> tuple[str | None, str
         sock.close()
 
 
-def pinger(peers, processes, secret: bytes, timeout_s: float):
+def pinger(peers, processes, secret: bytes, timeout_s: float, pending=None):
     """A function that pings `processes` (at their peers[p] addresses): (True, their
-    statuses) when all answer, (False, which one did not and why) otherwise. None (no
-    pings) when a process has no address."""
+    statuses) when all answer, (False, which one did not and why) otherwise. `pending()`,
+    when given, narrows them at each ping to those still owing data (one that delivered
+    its part may have exited since). None (no pings) when a process has no address."""
     if not peers or not all(peers.get(p) for p in processes):
         return None
 
     def alive() -> tuple[bool, str]:
         answers = []
-        for p in processes:
+        for p in processes if pending is None else pending():
             status, why = ping(peers[p][0], secret, timeout_s)
             if status is None:
                 return False, f"process {p} at {peers[p][0]} did not answer a ping ({why})"
             answers.append(f"process {p}: {status}")
-        return True, "; ".join(answers)
+        return True, "; ".join(answers) or "every sender delivered its part"
     return alive
 
 

@@ -1,0 +1,93 @@
+"""A posted `host` receive: the buffers for the pieces this process expects, which of
+them are still missing (and from which sender), and the blocks built from them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+
+from hetjax.transfer import core, wire
+from hetjax.transfer.link import TransferError
+from hetjax.transfer.plan import extent
+
+
+class Inbox:
+    """One posted receive: buffers for the pieces this process expects, and progress."""
+
+    def __init__(self, endpoint, tag, expect, handle):
+        self.tag, self.expect, self.handle, self.endpoint = tag, expect, handle, endpoint
+        self.lock = threading.Lock()
+        self.activity = core.Activity()
+        self.future = handle.future
+        self.buffers, self.left, self.group_left, self.blocks, self.ranges = {}, {}, {}, [], {}
+        self.source = {}  # (leaf, piece) -> the process sending it
+        for i, (aval, plan) in enumerate(zip(expect.avals, expect.plans)):
+            self.blocks.append({})
+            for j, piece in enumerate(plan.pieces):
+                if piece.dst_process == endpoint.process:
+                    shape = extent(piece.region)
+                    self.buffers[i, j] = endpoint.buffers.take(shape, aval.dtype)
+                    self.left[i, j] = piece.nbytes
+                    self.source[i, j] = piece.src_process
+                    self.group_left[i, piece.group] = self.group_left.get((i, piece.group), 0) + 1
+        self.groups_left = len(self.group_left)
+        self.process = endpoint.process
+
+    def missing_from(self) -> list[int]:
+        """The sender processes whose pieces have not all arrived: the ones a silent
+        receive pings (a sender that delivered its part may since have exited)."""
+        with self.lock:
+            return sorted({self.source[k] for k, n in self.left.items() if n})
+
+    def claim(self, i: int, j: int, offset: int, n: int, peer) -> None:
+        """Refuses bytes of a piece that already arrived: counted twice, they would finish
+        the receive with other bytes never written (a repeated or stale chunk)."""
+        with self.lock:
+            ranges = self.ranges.setdefault((i, j), [])
+            if any(offset < end and start < offset + n for start, end in ranges):
+                raise TransferError(f"recv {self.tag!r}: peer {peer} sent bytes {offset}..{offset + n} of leaf {i}, "
+                                    f"piece {j} again; a message's bytes arrive once")
+            ranges.append((offset, offset + n))
+
+    def arrived(self, i: int, j: int, n: int) -> None:
+        """Counts n verified bytes of piece j of leaf i; finishes blocks and the receive."""
+        with self.lock:
+            self.handle.wire_bytes += n
+            self.left[i, j] -= n
+            if self.left[i, j]:
+                return
+            plan = self.expect.plans[i]
+            gi = plan.pieces[j].group
+            self.group_left[i, gi] -= 1
+            if self.group_left[i, gi]:
+                return
+        # The block is complete. A large one goes host -> device now, while other chunks
+        # still arrive; small ones go together when the message is in (build: one call).
+        t = time.perf_counter()
+        group = plan.groups[gi]
+        parts = [(p, self.buffers[i, k]) for k, p in enumerate(plan.pieces) if (i, k) in self.buffers and p.group == gi]
+        block = core.block_from_host_pieces(group, parts, self.expect.avals[i].dtype)
+        if block.nbytes > wire.SMALL:
+            block = jax.device_put(block, self.expect.avals[i].sharding.mesh.devices.flat[group.receiver])
+            self.endpoint.copied(self.tag, t)
+        with self.lock:
+            self.blocks[i][gi] = block
+            self.groups_left -= 1
+            finished = self.groups_left == 0
+        if finished:
+            self.finish()
+
+    def finish(self):
+        try:
+            out = [core.build(a, p, d, self.process, b)
+                   for a, p, d, b in zip(self.expect.avals, self.expect.plans, self.expect.dst, self.blocks)]
+            self.future.set_result(jax.tree.unflatten(self.expect.treedef, out))
+        except Exception as e:  # noqa: BLE001 - handed to the waiter
+            self.fail(e)
+
+    def fail(self, error: Exception) -> None:
+        with self.lock:  # two streams may fail one receive at once
+            if not self.future.done():
+                self.future.set_exception(error)
