@@ -226,6 +226,25 @@ def test_bad_job_settings_for_islands_are_refused_naming_the_field(overrides, he
         validate(tiny_islands(overrides, **hetero))
 
 
+def test_a_micro_batch_must_split_over_the_mesh_axes_the_batch_rule_names():
+    """Pipeline islands check each micro-batch against config.sharding.rules' `batch`
+    axes, not a fixed data x fsdp: rows the rules keep whole over fsdp are accepted (they
+    were refused), rows the rules also split over tensor are refused naming the rule
+    before anything compiles (it was jax's IndivisibleError from inside the step)."""
+    def with_batch_rule(axes, mesh):
+        cfg = tiny_islands({"pipeline.microbatches": "8", "batch_size": "8"}, islands=tuple(
+            IslandConfig(name=n, devices_per_process=2, mesh=mesh) for n in ("a", "b")))
+        rules = tuple((k, axes if k == "batch" else v) for k, v in cfg.sharding.rules)
+        return dataclasses.replace(cfg, sharding=dataclasses.replace(cfg.sharding, rules=rules))
+
+    validate(with_batch_rule(("data",), MeshConfig(fsdp=2)))  # 1 row a micro-batch, not split
+    with pytest.raises(ConfigError, match=r"8/8 = 1 rows does not split over config.hetero.islands\[0\]'s "
+                                          r"data x fsdp = 2 devices \(config.sharding.rules maps 'batch' to"):
+        validate(with_batch_rule(("data", "fsdp"), MeshConfig(fsdp=2)))
+    with pytest.raises(ConfigError, match=r"islands\[0\]'s data x fsdp x tensor = 2 devices"):
+        validate(with_batch_rule(("data", "fsdp", "tensor"), MeshConfig(fsdp=1, tensor=2)))
+
+
 def test_islands_whose_configs_disagree_name_the_difference():
     a = tiny_islands()
     b = a.__class__(**{**a.__dict__, "seed": 7})

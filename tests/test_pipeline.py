@@ -490,6 +490,10 @@ def test_refuses_a_microbatch_that_data_parallelism_cannot_split():
     validate(cfg)
     with pytest.raises(ConfigError, match=r"micro-batch of .* 2 rows does not split over data x fsdp = 4"):
         pipeline.make_plan(cfg, make_mesh(cfg.mesh))
+    # The axes are the `batch` rule's: kept whole over data, the 2 rows need no split.
+    rules = tuple((k, "fsdp" if k == "batch" else v) for k, v in CFG.sharding.rules)
+    assert pipeline.make_plan(dataclasses.replace(cfg, sharding=dataclasses.replace(cfg.sharding, rules=rules)),
+                              make_mesh(cfg.mesh)) is not None
     rules = dict(CFG.sharding.rules) | {"embed": "pipeline"}
     with pytest.raises(ConfigError, match="maps 'embed' to the 'pipeline' mesh axis"):
         pipeline.sharding_rules(tuple(rules.items()))

@@ -8,6 +8,7 @@ import math
 from hetjax.errors import ConfigError
 from hetjax.mesh import MESH_AXES, MeshConfig
 from hetjax.pipeline.config import validate_pipeline
+from hetjax.sharding import check_microbatch_rows
 from hetjax.transfer.link import LinkConfig
 
 PLACEMENTS = ("pipeline", "data")
@@ -128,15 +129,9 @@ def validate_hetero(cfg) -> None:
                 f"config.optim.grad_accum_steps={cfg.optim.grad_accum_steps} / config.pipeline."
                 f"stage_layers={cfg.pipeline.stage_layers} with placement='pipeline': the islands are "
                 f"the stages; set config.pipeline.microbatches and config.hetero.island_layers instead")
-        rows = cfg.batch_size // max(cfg.pipeline.microbatches, 1)
         for k, island in enumerate(h.islands):
-            sizes = island_mesh_sizes(island)
-            if rows % (sizes["data"] * sizes["fsdp"]):
-                raise ConfigError(
-                    f"a micro-batch of config.batch_size/config.pipeline.microbatches = {rows} rows does "
-                    f"not split over config.hetero.islands[{k}]'s data x fsdp = "
-                    f"{sizes['data'] * sizes['fsdp']} devices; raise config.batch_size or lower "
-                    f"config.pipeline.microbatches")
+            check_microbatch_rows(cfg.batch_size, max(cfg.pipeline.microbatches, 1), cfg.sharding.rules,
+                                  island_mesh_sizes(island), f"config.hetero.islands[{k}]'s ")
         if cfg.model.num_layers < n:
             raise ConfigError(f"config.model.num_layers={cfg.model.num_layers} is fewer than the {n} "
                               f"islands of placement='pipeline'; every island needs a layer")

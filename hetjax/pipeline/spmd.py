@@ -82,12 +82,7 @@ def make_plan(cfg, mesh: Mesh) -> Plan | None:
         raise ConfigError(
             f"config.batch_size={cfg.batch_size} is not divisible by config.pipeline.microbatches="
             f"{M}; make the batch a multiple of the micro-batch count")
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    if (cfg.batch_size // M) % shards:
-        raise ConfigError(
-            f"a micro-batch of config.batch_size/config.pipeline.microbatches = "
-            f"{cfg.batch_size}/{M} = {cfg.batch_size // M} rows does not split over data x fsdp = "
-            f"{shards} devices; raise config.batch_size or lower config.pipeline.microbatches")
+    sharding.check_microbatch_rows(cfg.batch_size, M, cfg.sharding.rules, mesh.shape)
     return Plan(make_schedule(cfg.pipeline.schedule, S, M, V), layout, unroll=not cfg.pipeline.scan_layers)
 
 
