@@ -285,17 +285,19 @@ class Manager:
     # -- restoring ---------------------------------------------------------
 
     def restore_latest(self, abstract_state: TrainState, shardings: TrainState,
-                       log=print) -> Restored | None:
+                       log=print, check=None) -> Restored | None:
         """The newest checkpoint that reads and verifies, laid out by `shardings`;
-        None if there is none. Damaged ones are reported and moved to `corrupt/`."""
+        None if there is none. Damaged ones are reported and moved to `corrupt/`.
+        check(saved config, where): a ConfigError for a checkpoint this run cannot use,
+        raised before any of its arrays is read."""
         for step in reversed(self.steps()):
-            if (restored := self.restore_together(step, abstract_state, shardings, log)) is not None:
+            if (restored := self.restore_together(step, abstract_state, shardings, log, check)) is not None:
                 return restored
             self.move_aside(step, log)
         return None
 
     def restore_together(self, step: int, abstract_state: TrainState, shardings: TrainState,
-                         log=print) -> Restored | None:
+                         log=print, check=None) -> Restored | None:
         """restore(step) as one of the job's processes: None when no process can use the
         step (every one failed to read it, or the last start left a note that one could not),
         for every process to set it aside; a CheckpointError that stops the job when this
@@ -305,7 +307,7 @@ class Manager:
                 f"({', '.join(n.name for n in notes)})")
             return None
         try:
-            return self.restore(step, abstract_state, shardings)
+            return self.restore(step, abstract_state, shardings, check)
         except CorruptCheckpoint as e:
             log(f"warning: {e}")
             if not checkpoint_readable.all_failed(self.directory, step, self.peer_timeout_s):
@@ -317,10 +319,10 @@ class Manager:
                     f"one before") from None
             return None
 
-    def restore(self, step: int, abstract_state: TrainState, shardings: TrainState) -> Restored:
+    def restore(self, step: int, abstract_state: TrainState, shardings: TrainState, check=None) -> Restored:
         small, arrays = self.read(step, {"params": (abstract_state.params, shardings.params),
                                          "opt_state": (abstract_state.opt_state, shardings.opt_state)},
-                                  json_items=("data", "config"))
+                                  json_items=("data", "config"), check=check)
         meta = small.meta
         state = TrainState(step=jax.device_put(jnp.asarray(meta["step"], jnp.int32), shardings.step),
                            params=arrays.params, opt_state=arrays.opt_state)
@@ -334,13 +336,16 @@ class Manager:
         except Exception as e:
             raise CorruptCheckpoint(f"{self.where(step)} is unreadable ({type(e).__name__}: {e})") from e
 
-    def read(self, step: int, arrays: dict, json_items: tuple[str, ...] = ()):
+    def read(self, step: int, arrays: dict, json_items: tuple[str, ...] = (), check=None):
         """(JSON items, array items) of checkpoint `step`: meta and `json_items`, and
         each array item of `arrays` (name -> (abstract tree, shardings)) laid out by
-        its shardings, after checking the parameter shapes; the arrays read are
-        checksummed again against those written at save time."""
+        its shardings, after check(its saved config, where) (json_items need "config")
+        and checking the parameter shapes; the arrays read are checksummed again against
+        those written at save time."""
         where = self.where(step)
         small = self.read_json(step, "meta", *json_items)
+        if check is not None:
+            check(small.get("config"), where)
         saved = {k: self._item_metadata(step, k, where) for k in arrays}
         check_shapes(saved["params"], arrays["params"][0], where, small.get("config"))
         if "opt_state" in arrays:

@@ -168,13 +168,11 @@ class MeshJob:
         split = tuple(cfg.pipeline.stage_layers) if prog.plan is not None and prog.plan.layout.padded else None
         # Resume the run's own checkpoint if it has one (same run_dir, no flag); else
         # start from config.init_from's weights; else initialise.
-        restored = self.checkpoints.restore_latest(prog.state, prog.state_shardings, log)
+        check = None if split is None else lambda config, where: checkpoint_fit.check_split(
+            config, split, where, "resume with that split (config.mesh.pipeline and config.pipeline.stage_layers); "
+                                  "no other uneven split can read this checkpoint")
+        restored = self.checkpoints.restore_latest(prog.state, prog.state_shardings, log, check)
         if restored is not None:
-            if split is not None:
-                checkpoint_fit.check_split(restored.config, split, self.checkpoints.where(restored.step),
-                                           "resume with that split (config.mesh.pipeline and "
-                                           "config.pipeline.stage_layers); no other uneven split can read this "
-                                           "checkpoint")
             self.state, self.start = restored.state, restored.step
             log(f"resumed from step {self.start} of {self.checkpoints.directory} "
                 f"(parameter checksum {checkpoint.params_checksum_of(restored.meta)})")
@@ -248,8 +246,8 @@ class ModelOrderCheckpoints:
     def save(self, step: int, state, data_state: dict, config: dict) -> None:
         self._manager.save(step, self._to_model(state), data_state, config)
 
-    def restore_latest(self, abstract_state, shardings, log=print):
-        restored = self._manager.restore_latest(abstract_state, shardings, log)
+    def restore_latest(self, abstract_state, shardings, log=print, check=None):
+        restored = self._manager.restore_latest(abstract_state, shardings, log, check)
         if restored is None:
             return None
         return dataclasses.replace(restored, state=self.to_pipeline(restored.state, shardings))
