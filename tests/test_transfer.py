@@ -327,6 +327,27 @@ def test_a_silent_receive_pings_only_the_senders_that_still_owe_data(caplog):
         busy.close(), b.close()
 
 
+@pytest.mark.parametrize("backend", ["local", "host"])
+def test_a_second_send_of_a_tag_in_flight_is_refused_and_the_first_arrives(backend):
+    """Two sends of one tag before its receive: the second is refused at once (local used
+    to replace the first message silently; host interleaved the two at the receiver),
+    the first arrives intact, and the tag is free again once its send is done."""
+    a, b = endpoints(backend)
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))
+    x, y = random_array((64, 4), "int32", 3, sh), random_array((64, 4), "int32", 4, sh)
+    like = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    try:
+        first = a.send(x, "t", sh, peers={0: b.addresses})
+        with pytest.raises(TransferError, match="send 't': a .* with this tag is still .*; tags must be unique in flight"):
+            a.send(y, "t", sh, peers={0: b.addresses})
+        np.testing.assert_array_equal(bits(b.recv("t", like, sh, peers={0: a.addresses}).wait()), bits(x))
+        first.wait()
+        out, _, _ = move(a, b, y, sh)  # the same tag again, once the first is through
+        np.testing.assert_array_equal(bits(out), bits(y))
+    finally:
+        a.close(), b.close()
+
+
 def test_a_timed_out_receive_is_withdrawn_and_its_tag_can_be_posted_again():
     a, b = endpoints("host", timeout_s=0.5, busy_timeout_s=0.5)
     sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))

@@ -57,6 +57,7 @@ class HostEndpoint(Endpoint):
         self._ping_s = HANDSHAKE_S  # a silent peer's ping; not timeout_s: a starved peer answers late
         self.checksum = wire.CHECKSUM_FUNCTIONS[cfg.checksum]
         self._inboxes: dict[str, Inbox] = {}
+        self._sending: set[str] = set()  # the tags of sends in flight
         self.buffers = core.BufferPool()  # where received pieces land
         self._posted = threading.Condition()
         self._pipes: dict[tuple, list[Stream]] = {}
@@ -328,6 +329,12 @@ class HostEndpoint(Endpoint):
                 elif left[0] == 0:
                     handle.future.set_result(None)
 
+        with self._posted:  # two messages of one tag would interleave at the receiver
+            if tag in self._sending:
+                raise TransferError(f"send {tag!r}: a send with this tag is still in flight; tags must be unique "
+                                    f"in flight (wait for its handle first)")
+            self._sending.add(tag)
+        handle.future.add_done_callback(lambda _: self._sending.discard(tag))
         for stream, chunks in jobs:
             stream.put(Job(tag, leaves, plans, chunks, handle, finished, {}, {}, is_small(leaves, chunks)))
         # A send its waiter gave up on (TransferTimeout) frees its streams for the next ones.

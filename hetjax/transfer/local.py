@@ -30,6 +30,9 @@ class LocalEndpoint(Endpoint):
     def send(self, tree, tag, dst, peers=None):
         leaves, plans, _ = self.prepare_send(tree, tag, dst)
         with _arrived:
+            if tag in _mailbox:  # it would replace the message not yet received
+                raise TransferError(f"send {tag!r}: a message with this tag is still waiting for its receive; "
+                                    f"tags must be unique in flight")
             _mailbox[tag] = (leaves, plans)
             _arrived.notify_all()
         handle = core.Handle(core.finished(), f"send {tag!r}")
