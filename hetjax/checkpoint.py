@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -202,11 +203,13 @@ class Manager:
             self.wait()
 
     def _orbax_save(self, step: int, previous: int | None, host, checksums, data_state, config, started) -> None:
+        cwd = os.getcwd()
         def meta() -> dict:  # called in orbax's writing thread, once the hashes are done
             sums = checksums()
             params_hashes = {k.removeprefix("params/"): v for k, v in sums.items() if k.startswith("params/")}
+            # cwd: what the config's relative paths (init_from) were relative to, for its readers
             return {"step": step, "params_checksum": params_checksum(host["params"], params_hashes),
-                    "checksums": sums, "time": started}
+                    "checksums": sums, "time": started, "cwd": cwd}
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(host["params"]), opt_state=ocp.args.StandardSave(host["opt_state"]),
             data=ocp.args.JsonSave(data_state), config=ocp.args.JsonSave(config), meta=_LaterJsonSave(meta))

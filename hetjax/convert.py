@@ -93,8 +93,10 @@ def hf_config_from_model(m: ModelConfig, dtype: str, base: dict | None = None) -
         head_dim=m.head_dim, hidden_act="silu", rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
         rope_parameters=rope, dtype=dtype)
     out.pop("torch_dtype", None)  # the source's; older readers would take it over `dtype`
-    out.pop("rope_scaling", None)
-    out.pop("rope_theta", None)
+    # transformers before 5 (and readers following it) know RoPE only by these two keys:
+    # without them they would run Llama-3 at the default theta, silently.
+    out.update(rope_theta=m.rope_theta,
+               rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"} if m.rope_scaling_factor != 1.0 else None)
     out.setdefault("max_position_embeddings", m.rope_original_max_length)
     if kind == "llama":
         out.update(attention_bias=False, mlp_bias=False)
@@ -276,7 +278,8 @@ def _base_hf_config(directory: Path, small, log, hops: int = 4) -> dict | None:
     while meta.get("hf_config") is None and run.get("init_from") and hops:
         hops -= 1
         try:
-            source, step = checkpoint_init.find_checkpoint_dir(run["init_from"])
+            # A relative init_from is the trainer's, relative to its cwd, not this process's.
+            source, step = checkpoint_init.find_checkpoint_dir(Path(meta.get("cwd", "")) / run["init_from"])
             manager = checkpoint.Manager(source, read_only=True)
             try:
                 found = manager.read_json(max(manager.steps()) if step is None else step, "meta", "config")

@@ -71,6 +71,12 @@ def test_imported_logits_match_transformers_and_the_round_trip_is_exact(tmp_path
     # Export (sharded, via the command line), load with transformers, compare tensors bit for bit.
     assert convert.main(["export", str(tmp_path / "ck"), str(tmp_path / "out"), "--max_shard_gb=0.00002"]) == 0
     assert (tmp_path / "out" / safetensors_io.INDEX).exists()
+    # RoPE both as transformers 5 reads it and as earlier readers do (rope_theta, rope_scaling).
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["rope_parameters"] == model.config.rope_parameters
+    assert exported["rope_theta"] == model.config.rope_parameters["rope_theta"] == m.rope_theta
+    assert exported["rope_scaling"] == ({k: v for k, v in model.config.rope_parameters.items() if k != "rope_theta"}
+                                        if kind == "llama" else None)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     theirs_sd, back_sd = model.state_dict(), back.state_dict()
     assert theirs_sd.keys() == back_sd.keys()
@@ -162,10 +168,13 @@ def test_a_run_started_from_imported_weights_exports_the_original_token_ids(tmp_
     model = {"vocab_size": 64, "num_layers": 2, "embed_dim": 32, "mlp_dim": 48, "num_heads": 4, "num_kv_heads": 2,
              "head_dim": 8, "qkv_bias": True, "tie_embeddings": True, "rope_theta": 1e6}
     logged = []
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # init_from='imported' is the trainer's, relative to its cwd
     convert.export_hf(tmp_path / "run", tmp_path / "out", log=logged.append)
     out = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (out["bos_token_id"], out["eos_token_id"], out["max_position_embeddings"]) == (5, [6, 7], 131072)
     assert not [line for line in logged if "no Hugging Face config" in line]
+    monkeypatch.chdir(tmp_path)
     # A run with no imported ancestor says so.
     assert train.main(["--config", "tiny.py", "--config.steps=1", "--config.eval_every=0", "--config.tensorboard=false",
                        "--config.run_dir=scratch", "--config.data.branching=4",
