@@ -327,6 +327,28 @@ def test_a_silent_receive_pings_only_the_senders_that_still_owe_data(caplog):
         busy.close(), b.close()
 
 
+def test_a_peer_is_pinged_on_each_of_its_addresses_until_one_answers():
+    """A peer with two NICs, the first one down: its ping answers on the second, so it is
+    busy, not lost; with both down it is lost, both addresses and reasons named."""
+    dead, busy, b = (open_endpoint(LinkConfig(timeout_s=0.5, busy_timeout_s=2.0)) for _ in range(3))
+    busy.status = "restoring"
+    down = dead.addresses[0]
+    dead.close()
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))
+    like = jax.ShapeDtypeStruct((8, 4), "int32", sharding=sh)
+    try:
+        r = b.recv("nics", like, sh, peers={0: (down, *busy.addresses)})
+        with pytest.raises(TransferTimeout, match=r"answers pings \(process 0: restoring\) but nothing moved"):
+            r.wait()
+        busy.close()
+        r = b.recv("nics down", like, sh, peers={0: (down, *busy.addresses)})
+        with pytest.raises(TransferTimeout, match=rf"process 0 at {down},{busy.addresses[0]} did not answer a ping "
+                                                  rf"\({down}: .*refused.*; {busy.addresses[0]}: .*refused"):
+            r.wait()
+    finally:
+        busy.close(), b.close()
+
+
 @pytest.mark.parametrize("backend", ["local", "host"])
 def test_a_second_send_of_a_tag_in_flight_is_refused_and_the_first_arrives(backend):
     """Two sends of one tag before its receive: the second is refused at once (local used

@@ -175,10 +175,15 @@ def pinger(peers, processes, secret: bytes, timeout_s: float, pending=None):
     def alive() -> tuple[bool, str]:
         answers = []
         for p in processes if pending is None else pending():
-            status, why = ping(peers[p][0], secret, timeout_s)
-            if status is None:
-                return False, f"process {p} at {peers[p][0]} did not answer a ping ({why})"
-            answers.append(f"process {p}: {status}")
+            failed = []
+            for address in peers[p]:  # any of its NICs answering will do
+                status, why = ping(address, secret, timeout_s)
+                if status is not None:
+                    answers.append(f"process {p}: {status}")
+                    break
+                failed.append(f"{address}: {why}" if len(peers[p]) > 1 else why)
+            else:
+                return False, f"process {p} at {','.join(peers[p])} did not answer a ping ({'; '.join(failed)})"
         return True, "; ".join(answers) or "every sender delivered its part"
     return alive
 
