@@ -101,7 +101,7 @@ class HostEndpoint(Endpoint):
         handle = core.Handle(core.futures.Future(), f"recv {tag!r} from source {_named(peers, senders)}")
         inbox = Inbox(self, tag, expect, handle)
         handle.watch(inbox.activity.idle, self.cfg.timeout_s,
-                     wire.pinger(peers, senders, self._secret, self._ping_s, inbox.missing_from), self.cfg.busy_timeout_s)
+                     wire.pinger(peers, senders, self._secret, self._ping_s, inbox.owing()), self.cfg.busy_timeout_s)
         with self._posted:
             if tag in self._inboxes:
                 raise TransferError(f"recv {tag!r}: a receive with this tag is already posted; tags must be unique in flight")

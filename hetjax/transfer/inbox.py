@@ -35,11 +35,17 @@ class Inbox:
         self.groups_left = len(self.group_left)
         self.process = endpoint.process
 
-    def missing_from(self) -> list[int]:
-        """The sender processes whose pieces have not all arrived: the ones a silent
-        receive pings (a sender that delivered its part may since have exited)."""
-        with self.lock:
-            return sorted({self.source[k] for k, n in self.left.items() if n})
+    def owing(self):
+        """A function naming the sender processes whose pieces have not all arrived: the
+        ones a silent receive pings (a sender that delivered its part may have exited since).
+        It holds the counts, not the inbox: the receive's handle keeps it, and a handle
+        holding its inbox is a cycle that keeps the buffers from the pool until a collection."""
+        lock, left, source = self.lock, self.left, self.source
+
+        def owing() -> list[int]:
+            with lock:
+                return sorted({source[k] for k, n in left.items() if n})
+        return owing
 
     def claim(self, i: int, j: int, offset: int, n: int, peer) -> None:
         """Refuses bytes of a piece that already arrived: counted twice, they would finish
