@@ -270,6 +270,16 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes
     return [out_dir / p.name for p in paths]
 
 
+def _found(*paths):
+    """checkpoint_init.find_checkpoint_dir of the first of `paths` that holds a checkpoint."""
+    for path in paths[:-1]:
+        try:
+            return checkpoint_init.find_checkpoint_dir(path)
+        except ConfigError:
+            pass
+    return checkpoint_init.find_checkpoint_dir(paths[-1])
+
+
 def _base_hf_config(directory: Path, small, log, hops: int = 4) -> dict | None:
     """The Hugging Face config this checkpoint's weights came from: the imported step keeps
     it, and a run started from it (config.init_from, followed back) inherits its token ids
@@ -278,8 +288,9 @@ def _base_hf_config(directory: Path, small, log, hops: int = 4) -> dict | None:
     while meta.get("hf_config") is None and run.get("init_from") and hops:
         hops -= 1
         try:
-            # A relative init_from is the trainer's, relative to its cwd, not this process's.
-            source, step = checkpoint_init.find_checkpoint_dir(Path(meta.get("cwd", "")) / run["init_from"])
+            # A relative init_from is the trainer's, relative to its cwd (recorded in the meta);
+            # as given, for a run copied where that cwd is not.
+            source, step = _found(Path(meta.get("cwd", "")) / run["init_from"], Path(run["init_from"]))
             manager = checkpoint.Manager(source, read_only=True)
             try:
                 found = manager.read_json(max(manager.steps()) if step is None else step, "meta", "config")

@@ -174,7 +174,13 @@ def test_a_run_started_from_imported_weights_exports_the_original_token_ids(tmp_
     out = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (out["bos_token_id"], out["eos_token_id"], out["max_position_embeddings"]) == (5, [6, 7], 131072)
     assert not [line for line in logged if "no Hugging Face config" in line]
+    # A run copied where its trainer's cwd is not: init_from is then taken as given (from here).
     monkeypatch.chdir(tmp_path)
+    for meta in (tmp_path / "run" / "checkpoints").glob("*/meta/metadata"):
+        meta.write_text(json.dumps(dict(json.loads(meta.read_text()), cwd="/nonexistent/trainer")))
+    convert.export_hf(tmp_path / "run", tmp_path / "out3", log=logged.append)
+    out = json.loads((tmp_path / "out3" / "config.json").read_text())
+    assert (out["bos_token_id"], out["eos_token_id"]) == (5, [6, 7])
     # A run with no imported ancestor says so.
     assert train.main(["--config", "tiny.py", "--config.steps=1", "--config.eval_every=0", "--config.tensorboard=false",
                        "--config.run_dir=scratch", "--config.data.branching=4",

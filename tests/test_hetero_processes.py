@@ -210,7 +210,7 @@ def test_a_gpu_island_whose_process_finds_only_a_cpu_is_refused_by_name(tmp_path
 
 def test_an_island_still_busy_is_waited_for_not_reported_lost(tmp_path, capsys):
     """One island holds 23 layers, the other one: compiling (and everything after it up to
-    the first step) takes them seconds apart, far past the link's 0.5 s timeout_s. The
+    the first step) takes them seconds apart, far past the link's 1 s timeout_s. The
     island that is ahead waits; its peer answers the pings, naming what it does (usually
     "compiling"; under a loaded machine the faster compiler can be the slower one at the
     next phase), so it is busy, not lost: the job trains. (It used to end with a message
@@ -219,7 +219,7 @@ def test_an_island_still_busy_is_waited_for_not_reported_lost(tmp_path, capsys):
     run_dir = tmp_path / "uneven"
     code = local.main(["--config", "configs/tiny_hetero.py", "--stand_in", "cpu", "--config.steps=2",
                        "--config.eval_every=0", "--config.log_every=1", f"--config.run_dir={run_dir}",
-                       "--config.hetero.link.timeout_s=0.5", "--config.model.num_layers=24",
+                       "--config.hetero.link.timeout_s=1", "--config.model.num_layers=24",
                        "--config.hetero.island_layers=(1,23)"])
     text = capsys.readouterr().out
     assert code == 0, text[-3000:]

@@ -397,6 +397,36 @@ def test_a_second_send_of_a_tag_in_flight_is_refused_and_the_first_arrives(backe
         a.close(), b.close()
 
 
+def test_a_failed_send_holds_its_tag_until_its_last_part_is_off_the_streams():
+    """A message split over two streams, one of them held up behind another message: the
+    receiver refuses the part that arrives, so the send fails while its other part still
+    waits on the held stream. That part is then never written, and the tag stays taken
+    until it is dropped: a second message of the tag sent meanwhile would have met it at
+    the receiver ("bytes ... again")."""
+    cfg = LinkConfig(backend="host", timeout_s=20, busy_timeout_s=20, streams=2)
+    a, b = open_endpoint(cfg), open_endpoint(cfg)
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))
+    small = random_array((8, 4), "int32", 1, sh)
+    x, y = random_array((1024, 1024), "float32", 2, sh), random_array((1024, 1024), "float32", 3, sh)
+    try:
+        blocker = a.send(small, "blocker", sh, peers={0: b.addresses})  # not received yet: holds a stream
+        b.recv("t", jax.ShapeDtypeStruct(x.shape, "int32", sharding=sh), sh, peers={0: a.addresses})  # refuses
+        with pytest.raises(TransferError, match="refused the message"):
+            a.send(x, "t", sh, peers={0: b.addresses}).wait()  # 4 MiB: a part on each stream
+        with pytest.raises(TransferError, match="a send with this tag is still in flight"):
+            a.send(y, "t", sh, peers={0: b.addresses})
+        got = b.recv("blocker", jax.ShapeDtypeStruct(small.shape, small.dtype, sharding=sh), sh, peers={0: a.addresses})
+        np.testing.assert_array_equal(bits(got.wait()), bits(small))
+        blocker.wait()
+        deadline = time.monotonic() + 10
+        while "t" in a._sending and time.monotonic() < deadline:  # the held part, dropped unwritten
+            time.sleep(0.01)
+        out, _, _ = move(a, b, y, sh, "t")
+        np.testing.assert_array_equal(bits(out), bits(y))
+    finally:
+        a.close(), b.close()
+
+
 def test_a_timed_out_receive_is_withdrawn_and_its_tag_can_be_posted_again():
     a, b = endpoints("host", timeout_s=0.5, busy_timeout_s=0.5)
     sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))

@@ -13,6 +13,8 @@ frames, the handshake and the pings are in wire.py, the sending streams in strea
 
 from __future__ import annotations
 
+import collections
+import functools
 import itertools
 import logging
 import socket
@@ -299,10 +301,7 @@ class HostEndpoint(Endpoint):
                     work.setdefault(piece.dst_process, []).append((i, j, piece))
         core.check_peers(peers, work, f"send {tag!r}", "destination")
         handle = core.Handle(core.futures.Future(), f"send {tag!r} to destination {_named(peers, sorted(work))}")
-        # Its streams wait for a busy receiver (busy_timeout_s); a ping tells busy from lost.
-        handle.watch(core.progress_idle(handle), self.cfg.timeout_s,
-                     wire.pinger(peers, sorted(work), self._secret, self._ping_s), self.cfg.busy_timeout_s)
-        jobs = []
+        jobs = []  # (destination, stream, chunks)
         for q, items in sorted(work.items()):
             chunks = [(i, j, piece, sub, offset) for i, j, piece in items
                       for sub, offset in split(piece.region, np.dtype(leaves[i].dtype).itemsize, self.cfg.chunk_bytes)]
@@ -313,32 +312,41 @@ class HostEndpoint(Endpoint):
             used = max(1, min(len(streams), sum(p.nbytes for _, _, p in items) // _STREAM_BYTES, len(chunks)))
             first = next(self._turn) % len(streams)
             for k in range(used):
-                jobs.append((streams[(first + k) % len(streams)], chunks[k::used]))
-        if not jobs:
-            handle.future.set_result(None)
-        left = [len(jobs)]
-        lock = threading.Lock()
-
-        def finished(error):  # from the streams' threads: the first error, or the last success, counts
-            with lock:
-                left[0] -= 1
-                if handle.future.done():
-                    return
-                if error is not None:
-                    handle.future.set_exception(error)
-                elif left[0] == 0:
-                    handle.future.set_result(None)
-
+                jobs.append((q, streams[(first + k) % len(streams)], chunks[k::used]))
         with self._posted:  # two messages of one tag would interleave at the receiver
             if tag in self._sending:
                 raise TransferError(f"send {tag!r}: a send with this tag is still in flight; tags must be unique "
                                     f"in flight (wait for its handle first)")
-            self._sending.add(tag)
-        handle.future.add_done_callback(lambda _: self._sending.discard(tag))
-        for stream, chunks in jobs:
-            stream.put(Job(tag, leaves, plans, chunks, handle, finished, {}, {}, is_small(leaves, chunks)))
+            if jobs:
+                self._sending.add(tag)
+        if not jobs:
+            handle.future.set_result(None)
+        owed = collections.Counter(q for q, _, _ in jobs)  # each destination's jobs not yet off their streams
+        lock = threading.Lock()
+
+        def finished(q, error):  # from the streams' threads: the first error, or the last success, counts
+            with lock:
+                owed[q] -= 1
+                last = not any(owed.values())
+                if last:  # every part is off its stream (a failed message's too): the tag is free
+                    self._sending.discard(tag)
+                if handle.future.done():
+                    return
+                if error is not None:
+                    handle.future.set_exception(error)
+                elif last:
+                    handle.future.set_result(None)
+
+        # Its streams wait for a busy receiver (busy_timeout_s); a ping tells busy from lost,
+        # asked of the destinations that have not acknowledged their parts yet.
+        handle.watch(core.progress_idle(handle), self.cfg.timeout_s,
+                     wire.pinger(peers, sorted(work), self._secret, self._ping_s,
+                                 lambda: sorted(q for q, n in owed.items() if n)), self.cfg.busy_timeout_s)
+        for q, stream, chunks in jobs:
+            stream.put(Job(tag, leaves, plans, chunks, handle, functools.partial(finished, q), {}, {},
+                           is_small(leaves, chunks)))
         # A send its waiter gave up on (TransferTimeout) frees its streams for the next ones.
-        handle.future.add_done_callback(lambda f: [s.abort(tag) for s, _ in jobs] if f.exception() else None)
+        handle.future.add_done_callback(lambda f: [s.abort(tag) for _, s, _ in jobs] if f.exception() else None)
         return handle
 
     def connect(self, address: str) -> socket.socket:

@@ -109,6 +109,13 @@ class Stream:
     def _serve(self) -> None:
         while (item := self.jobs.get()) is not None:
             job, written = item
+            if not written and job.handle.future.done():
+                # Its message already failed or was given up: this part must not reach the
+                # receiver after it, where a later message of the same tag would meet it.
+                with self.lock:
+                    self.queued -= 1
+                job.finished(TransferError(f"send {job.tag!r}: part not sent, the message had already failed"))
+                continue
             error = None
             with self.lock:
                 self.current = job.tag
