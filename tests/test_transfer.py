@@ -315,7 +315,7 @@ def test_a_silent_receive_pings_only_the_senders_that_still_owe_data(caplog):
             owing = inbox.owing()
             assert owing() == [0, 1]
             for (i, j), n in list(inbox.left.items()):  # process 0's rows, as its stream lands them
-                if inbox.source[i, j] == 0:
+                if inbox.expect.plans[i].pieces[j].src_process == 0:
                     inbox.claim(i, j, 0, n, "process 0")
                     inbox.arrived(i, j, n)
             assert owing() == [1]

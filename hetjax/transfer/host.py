@@ -41,7 +41,8 @@ CLOSE_GRACE_S = 5.0
 # Anyone who can reach the port can open connections: each one that has not proved the
 # secret yet holds a thread and a descriptor, so there are at most this many at a time
 # per endpoint, each for at most HANDSHAKE_S (not the link's timeout), and refusals are
-# logged at most once per REFUSAL_LOG_S (with the count of those not logged).
+# logged at most once per REFUSAL_LOG_S (with the count of those not logged). A silent
+# peer's ping waits as long for each step, not timeout_s: a starved peer answers late.
 MAX_UNAUTHENTICATED = 32
 HANDSHAKE_S = 5.0
 REFUSAL_LOG_S = 10.0
@@ -56,7 +57,6 @@ class HostEndpoint(Endpoint):
     def __init__(self, cfg, process_index=None):
         super().__init__(cfg, process_index)
         self._secret = cfg.secret()
-        self._ping_s = HANDSHAKE_S  # a silent peer's ping; not timeout_s: a starved peer answers late
         self.checksum = wire.CHECKSUM_FUNCTIONS[cfg.checksum]
         self._inboxes: dict[str, Inbox] = {}
         self._sending: set[str] = set()  # the tags of sends in flight
@@ -103,7 +103,7 @@ class HostEndpoint(Endpoint):
         handle = core.Handle(core.futures.Future(), f"recv {tag!r} from source {_named(peers, senders)}")
         inbox = Inbox(self, tag, expect, handle)
         handle.watch(inbox.activity.idle, self.cfg.timeout_s,
-                     wire.pinger(peers, senders, self._secret, self._ping_s, inbox.owing()), self.cfg.busy_timeout_s)
+                     wire.pinger(peers, senders, self._secret, HANDSHAKE_S, inbox.owing()), self.cfg.busy_timeout_s)
         with self._posted:
             if tag in self._inboxes:
                 raise TransferError(f"recv {tag!r}: a receive with this tag is already posted; tags must be unique in flight")
@@ -340,7 +340,7 @@ class HostEndpoint(Endpoint):
         # Its streams wait for a busy receiver (busy_timeout_s); a ping tells busy from lost,
         # asked of the destinations that have not acknowledged their parts yet.
         handle.watch(core.progress_idle(handle), self.cfg.timeout_s,
-                     wire.pinger(peers, sorted(work), self._secret, self._ping_s,
+                     wire.pinger(peers, sorted(work), self._secret, HANDSHAKE_S,
                                  lambda: sorted(q for q, n in owed.items() if n)), self.cfg.busy_timeout_s)
         for q, stream, chunks in jobs:
             stream.put(Job(tag, leaves, plans, chunks, handle, functools.partial(finished, q), {}, {},

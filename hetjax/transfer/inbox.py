@@ -22,7 +22,6 @@ class Inbox:
         self.activity = core.Activity()
         self.future = handle.future
         self.buffers, self.left, self.group_left, self.blocks, self.ranges = {}, {}, {}, [], {}
-        self.source = {}  # (leaf, piece) -> the process sending it
         for i, (aval, plan) in enumerate(zip(expect.avals, expect.plans)):
             self.blocks.append({})
             for j, piece in enumerate(plan.pieces):
@@ -30,7 +29,6 @@ class Inbox:
                     shape = extent(piece.region)
                     self.buffers[i, j] = endpoint.buffers.take(shape, aval.dtype)
                     self.left[i, j] = piece.nbytes
-                    self.source[i, j] = piece.src_process
                     self.group_left[i, piece.group] = self.group_left.get((i, piece.group), 0) + 1
         self.groups_left = len(self.group_left)
         self.process = endpoint.process
@@ -40,11 +38,11 @@ class Inbox:
         ones a silent receive pings (a sender that delivered its part may have exited since).
         It holds the counts, not the inbox: the receive's handle keeps it, and a handle
         holding its inbox is a cycle that keeps the buffers from the pool until a collection."""
-        lock, left, source = self.lock, self.left, self.source
+        lock, left, plans = self.lock, self.left, self.expect.plans
 
         def owing() -> list[int]:
             with lock:
-                return sorted({source[k] for k, n in left.items() if n})
+                return sorted({plans[i].pieces[j].src_process for (i, j), n in left.items() if n})
         return owing
 
     def claim(self, i: int, j: int, offset: int, n: int, peer) -> None:

@@ -184,7 +184,7 @@ def pinger(peers, processes, secret: bytes, timeout_s: float, pending=None):
                 failed.append(f"{address}: {why}" if len(peers[p]) > 1 else why)
             else:
                 return False, f"process {p} at {','.join(peers[p])} did not answer a ping ({'; '.join(failed)})"
-        return True, "; ".join(answers) or "every sender delivered its part"
+        return True, "; ".join(answers) or "no peer owes its part any more"
     return alive
 
 
