@@ -60,10 +60,12 @@ def _activation_bytes_per_layer_token(cfg: Config, tensor: int, remat: str) -> f
     mlp = m.mlp_dim / tensor
     scores = _attention_scores(cfg, tensor)
     logits = scores * 4 / (4 + width)  # the fp32 part of them
+    if m.attention_impl == "cudnn":  # the fused kernel's softmax statistics: one fp32 per head
+        logits = m.num_heads / tensor * 4
     return {
         # Everything the backward pass reads: norms, residuals, q/k/v, attention, SwiGLU.
         "none": (5 * m.embed_dim + 2 * heads + kv + 3 * mlp) * width + scores,
-        # Every matmul's output, the batched QK^T logits among them.
+        # Every matmul's output, the batched QK^T logits among them (or cuDNN's attention).
         "dots": (2 * m.embed_dim + 2 * heads + kv + 2 * mlp) * width + logits,
         # Unbatched matmuls only: not QK^T nor PV.
         "dots_no_batch": (2 * m.embed_dim + heads + kv + 2 * mlp) * width,

@@ -25,10 +25,21 @@ from flax import nnx
 from hetjax.errors import ConfigError
 from hetjax.sharding import constrain
 
+# cuDNN's fused attention as it appears in a traced program (jax's private cuDNN module).
+FUSED_ATTENTION = frozenset({"dot_product_attention_fwd", "dot_product_attention_fwd_wrapper"})
+
+
+def dots_and_fused_attention(prim, *avals, **params) -> bool:
+    """checkpoint_dots, and cuDNN's fused attention too (its output and softmax statistics,
+    which XLA's attention keeps as the QK^T and PV dots): it is no dot_general, so under
+    checkpoint_dots alone the backward pass ran its forward kernel again."""
+    return prim.name in FUSED_ATTENTION or jax.checkpoint_policies.checkpoint_dots(prim, *avals, **params)
+
+
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots": dots_and_fused_attention,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")

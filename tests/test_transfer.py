@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax.config import CHECKSUMS, ConfigError
 from hetjax.transfer import LinkConfig, TransferError, TransferTimeout, open_endpoint
+from hetjax.transfer import inbox as inbox_module
 from hetjax.transfer.plan import Layout
 from tests.test_transfer_plan import cases
 
@@ -86,6 +87,33 @@ def test_random_trees_arrive_bit_for_bit(backend, examples):
 
     try:
         check()
+    finally:
+        a.close(), b.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int32"])
+def test_pieces_landed_on_their_device_chunk_by_chunk_arrive_bit_for_bit(monkeypatch, dtype):
+    """On a GPU, host puts each verified chunk of a large piece on its device while later
+    chunks still arrive, and joins them there (inbox.LAND_BY_CHUNK; on CPU a whole piece
+    goes at once, so the test turns it on for CPU). Chunks of two streams arrive in either
+    order; NaN payloads and the piece's place in its block must survive the join."""
+    monkeypatch.setattr(inbox_module, "LAND_BY_CHUNK", frozenset({"cpu"}))
+    monkeypatch.setattr(inbox_module, "LAND_MIN_BYTES", 1024)
+    joined = []
+    real_join = inbox_module._join
+    monkeypatch.setattr(inbox_module, "_join", lambda chunks, shape, dtype: joined.append(len(chunks))
+                        or real_join(chunks, shape, dtype))
+    d = jax.devices()
+    x = random_array((96, 640), dtype, 3, NamedSharding(Mesh(np.array(d[:4]), ("a",)), P("a")))
+    dst = NamedSharding(Mesh(np.array(d[4:8]).reshape(2, 2), ("p", "q")), P("q", "p"))  # 2 pieces a block
+    a, b = endpoints("host", chunk_bytes=4096, streams=2)
+    try:
+        out, r, _ = move(a, b, x, dst)
+        np.testing.assert_array_equal(bits(out), bits(x))
+        for shard in out.addressable_shards:
+            np.testing.assert_array_equal(bits(shard.data), bits(np.asarray(x)[shard.index]))
+        assert r.wire_bytes == x.nbytes
+        assert len(joined) == 8 and min(joined) > 1, joined  # each piece came in several chunks
     finally:
         a.close(), b.close()
 
@@ -317,7 +345,7 @@ def test_a_silent_receive_pings_only_the_senders_that_still_owe_data(caplog):
             for (i, j), n in list(inbox.left.items()):  # process 0's rows, as its stream lands them
                 if inbox.expect.plans[i].pieces[j].src_process == 0:
                     inbox.claim(i, j, 0, n, "process 0")
-                    inbox.arrived(i, j, n)
+                    inbox.arrived(i, j, 0, n)
             assert owing() == [1]
             t0 = time.monotonic()
             with pytest.raises(TransferTimeout, match=r"answers pings \(process 1: compiling\) but nothing moved "

@@ -288,7 +288,7 @@ class HostEndpoint(Endpoint):
                                 f"{offset}..{offset + n}) failed its {self.cfg.checksum} check: the data was corrupted")
         inbox.activity.touch()
         self.bytes_received += n
-        inbox.arrived(i, j, n)
+        inbox.arrived(i, j, offset, n)
 
     # -- sending ---------------------------------------------------------------------
 
