@@ -97,12 +97,18 @@ def test_pieces_landed_on_their_device_chunk_by_chunk_arrive_bit_for_bit(monkeyp
     chunks still arrive, and joins them there (inbox.LAND_BY_CHUNK; on CPU a whole piece
     goes at once, so the test turns it on for CPU). Chunks of two streams arrive in either
     order; NaN payloads and the piece's place in its block must survive the join."""
+    import hetjax.transfer.host
     monkeypatch.setattr(inbox_module, "LAND_BY_CHUNK", frozenset({"cpu"}))
     monkeypatch.setattr(inbox_module, "LAND_MIN_BYTES", 1024)
-    joined = []
-    real_join = inbox_module._join
+    monkeypatch.setattr(hetjax.transfer.host, "_STREAM_BYTES", 1)  # both streams, however small the message
+    joined, threads, held = [], set(), []
+    real_join, real_arrived, real_finish = inbox_module._join, inbox_module.Inbox.arrived, inbox_module.Inbox.finish
     monkeypatch.setattr(inbox_module, "_join", lambda chunks, shape, dtype: joined.append(len(chunks))
                         or real_join(chunks, shape, dtype))
+    monkeypatch.setattr(inbox_module.Inbox, "arrived", lambda self, *a: threads.add(threading.get_ident())
+                        or real_arrived(self, *a))
+    monkeypatch.setattr(inbox_module.Inbox, "finish", lambda self: held.append(len(self.landed))
+                        or real_finish(self))
     d = jax.devices()
     x = random_array((96, 640), dtype, 3, NamedSharding(Mesh(np.array(d[:4]), ("a",)), P("a")))
     dst = NamedSharding(Mesh(np.array(d[4:8]).reshape(2, 2), ("p", "q")), P("q", "p"))  # 2 pieces a block
@@ -114,8 +120,26 @@ def test_pieces_landed_on_their_device_chunk_by_chunk_arrive_bit_for_bit(monkeyp
             np.testing.assert_array_equal(bits(shard.data), bits(np.asarray(x)[shard.index]))
         assert r.wire_bytes == x.nbytes
         assert len(joined) == 8 and min(joined) > 1, joined  # each piece came in several chunks
+        assert len(threads) == 2, threads  # from two streams, so in no set order
+        assert held == [0]  # each block let its chunks go once joined
     finally:
         a.close(), b.close()
+
+
+def test_a_block_lands_chunk_by_chunk_only_when_the_device_can_hold_its_words():
+    """inbox._lands: GPU-class devices, pieces all large, words the device keeps whole."""
+    from types import SimpleNamespace as NS
+    gpu, cpu = NS(platform="gpu"), NS(platform="cpu")
+    big, small = NS(nbytes=inbox_module.LAND_MIN_BYTES + 1), NS(nbytes=inbox_module.LAND_MIN_BYTES)
+    f32, i64, flags = NS(dtype=np.dtype("float32")), NS(dtype=np.dtype("int64")), NS(dtype=np.dtype("bool"))
+    assert inbox_module._lands(f32, gpu, [big, big])
+    assert not inbox_module._lands(f32, cpu, [big])
+    assert not inbox_module._lands(f32, gpu, [big, small])  # the block is joined on the host anyway
+    assert not inbox_module._lands(flags, gpu, [big])
+    with jax.enable_x64(False):
+        assert not inbox_module._lands(i64, gpu, [big])  # device_put would narrow its words to 32 bits
+    with jax.enable_x64(True):
+        assert inbox_module._lands(i64, gpu, [big])
 
 
 @pytest.mark.parametrize("backend", ["local", "host", "direct"])

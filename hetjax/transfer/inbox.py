@@ -30,6 +30,13 @@ def _join(chunks, shape, dtype):
     return jax.lax.bitcast_convert_type(jnp.concatenate(chunks).reshape(shape), dtype)
 
 
+def _lands(aval, device, pieces) -> bool:
+    """Whether a block's pieces go to its device chunk by chunk as they arrive."""
+    words_fit = np.dtype(aval.dtype).itemsize < 8 or jax.config.jax_enable_x64  # else device_put narrows the words
+    return (device.platform in LAND_BY_CHUNK and aval.dtype != jnp.bool_ and words_fit
+            and all(p.nbytes > LAND_MIN_BYTES for p in pieces))
+
+
 class Inbox:
     """One posted receive: buffers for the pieces this process expects, and progress."""
 
@@ -42,16 +49,18 @@ class Inbox:
         self.landed: dict[tuple[int, int], list] = {}  # pieces that go to their device chunk by chunk
         for i, (aval, plan) in enumerate(zip(expect.avals, expect.plans)):
             self.blocks.append({})
-            devices = aval.sharding.mesh.devices.flat
+            mine: dict[int, list[int]] = {}
             for j, piece in enumerate(plan.pieces):
                 if piece.dst_process == endpoint.process:
-                    shape = extent(piece.region)
-                    self.buffers[i, j] = endpoint.buffers.take(shape, aval.dtype)
-                    device = devices[plan.groups[piece.group].receiver]
-                    if device.platform in LAND_BY_CHUNK and piece.nbytes > LAND_MIN_BYTES and aval.dtype != jnp.bool_:
-                        self.landed[i, j] = []
+                    self.buffers[i, j] = endpoint.buffers.take(extent(piece.region), aval.dtype)
                     self.left[i, j] = piece.nbytes
-                    self.group_left[i, piece.group] = self.group_left.get((i, piece.group), 0) + 1
+                    mine.setdefault(piece.group, []).append(j)
+            for g, js in mine.items():
+                self.group_left[i, g] = len(js)
+                # A whole block lands chunk by chunk or not at all: a block with one small
+                # piece is joined on the host anyway, and its landed chunks would be copied twice.
+                if _lands(aval, aval.sharding.mesh.devices.flat[plan.groups[g].receiver], [plan.pieces[j] for j in js]):
+                    self.landed.update({(i, j): [] for j in js})
         self.groups_left = len(self.group_left)
         self.process = endpoint.process
 
@@ -105,8 +114,10 @@ class Inbox:
         group, dtype = plan.groups[gi], self.expect.avals[i].dtype
         mine = [k for k, p in enumerate(plan.pieces) if (i, k) in self.buffers and p.group == gi]
         if all((i, k) in self.landed for k in mine):
-            parts = [(plan.pieces[k], _join(tuple(c for _, c in sorted(self.landed[i, k], key=lambda oc: oc[0])),
-                                            extent(plan.pieces[k].region), np.dtype(dtype))) for k in mine]
+            with self.lock:  # the chunks go once joined: kept, a receive would hold its bytes twice on the device
+                chunks = {k: sorted(self.landed.pop((i, k)), key=lambda oc: oc[0]) for k in mine}
+            parts = [(plan.pieces[k], _join(tuple(c for _, c in chunks[k]), extent(plan.pieces[k].region), np.dtype(dtype)))
+                     for k in mine]
             block = core.block_from_device_pieces(group, parts, dtype)
             self.endpoint.copied(self.tag, t)
         else:
