@@ -60,13 +60,14 @@ def _activation_bytes_per_layer_token(cfg: Config, tensor: int, remat: str) -> f
     mlp = m.mlp_dim / tensor
     scores = _attention_scores(cfg, tensor)
     logits = scores * 4 / (4 + width)  # the fp32 part of them
-    if m.attention_impl == "cudnn":  # the fused kernel's softmax statistics: one fp32 per head
-        logits = m.num_heads / tensor * 4
+    # The fused kernel's softmax statistics, one fp32 per head: its backward reads them
+    # under any policy that does not recompute the attention.
+    stats = m.num_heads / tensor * 4 if m.attention_impl == "cudnn" else 0.0
     return {
         # Everything the backward pass reads: norms, residuals, q/k/v, attention, SwiGLU.
-        "none": (5 * m.embed_dim + 2 * heads + kv + 3 * mlp) * width + scores,
+        "none": (5 * m.embed_dim + 2 * heads + kv + 3 * mlp) * width + scores + stats,
         # Every matmul's output, the batched QK^T logits among them (or cuDNN's attention).
-        "dots": (2 * m.embed_dim + 2 * heads + kv + 2 * mlp) * width + logits,
+        "dots": (2 * m.embed_dim + 2 * heads + kv + 2 * mlp) * width + logits + stats,
         # Unbatched matmuls only: not QK^T nor PV.
         "dots_no_batch": (2 * m.embed_dim + heads + kv + 2 * mlp) * width,
         "full": m.embed_dim * width,  # the layer's input only; the rest is recomputed

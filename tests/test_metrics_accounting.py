@@ -122,6 +122,42 @@ def test_the_activation_estimate_follows_xlas_temp_bytes_as_the_sequence_grows(r
         assert est.activations + est.gradients == pytest.approx(temp, rel=0.15), (seq_len, temp)
 
 
+def test_the_cudnn_activation_estimate_counts_what_jax_saves_for_the_backward(monkeypatch):
+    """cuDNN's fused attention saves its output and fp32 softmax statistics, not the
+    logits. Under remat="dots" the estimate is exactly the residuals jax saves per layer and
+    token; under "none" it counts the statistics too (they were left out there, and counted
+    under "dots" only). Traced, not run: no cuDNN here, so its version check is skipped."""
+    import jax._src.cudnn.fused_attention_stablehlo as fused
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from hetjax.models.llama import Decoder
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda *a, **k: None)
+    monkeypatch.setattr(fused, "check_compute_capability", lambda *a, **k: True)
+    B, T = 2, 16
+
+    def config(remat, impl="cudnn"):
+        return dataclasses.replace(tiny(dtype="bfloat16", attention_impl=impl, remat=remat), batch_size=B, seq_len=T)
+
+    def per_layer_token(remat):  # jax's saved residuals, the statistics among them, the estimate
+        cfg = config(remat)
+        m = cfg.model
+        graphdef, params = nnx.split(Decoder(m, rngs=nnx.Rngs(0)))
+        loss = lambda p: nnx.merge(graphdef, p)(jnp.zeros((B, T), jnp.int32)).astype(jnp.float32).sum()
+        saved = [a for a, why in saved_residuals(loss, params) if "apply_layers" in why]  # the layers' scan
+        stats = [a for a in saved if a.dtype == jnp.float32 and a.shape == (m.num_layers, B, m.num_heads, T)]
+        per = lambda avals: sum(a.size * a.dtype.itemsize for a in avals) / (m.num_layers * B * T)
+        return per(saved), per(stats), memory._activation_bytes_per_layer_token(cfg, 1, remat)
+
+    saved, stats, estimate = per_layer_token("dots")
+    assert stats > 0 and estimate == saved
+    _, stats_none, with_stats = per_layer_token("none")
+    assert stats_none == stats  # saved under "none" too
+    xla = config("none", "xla")  # the same layer with XLA's attention, less its logits and probabilities
+    assert with_stats == memory._activation_bytes_per_layer_token(xla, 1, "none") - memory._attention_scores(xla, 1) + stats
+
+
 def test_a_pipelines_activation_estimate_counts_its_micro_batches_and_stages():
     """A stage holds 1/S of the layers and works on one micro-batch at a time, stashing the
     inputs of those in flight. Before, the estimate counted every layer at the whole batch

@@ -679,8 +679,8 @@ def test_a_damaged_header_or_a_repeated_chunk_is_refused(monkeypatch):
     like = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)
     sendall = wire.sendall
 
-    def damaging(sock, data, peer):  # '6' -> '7' in the second chunk's offset: one bit
-        return sendall(sock, bytes(data).replace(b'"offset": 4096', b'"offset": 4097', 1), peer)
+    def damaging(sock, data, peer):  # 4096 -> 4100 in the second chunk's offset: one bit, whole words
+        return sendall(sock, bytes(data).replace(b'"offset": 4096', b'"offset": 4100', 1), peer)
 
     a, b = endpoints("host", timeout_s=5, chunk_bytes=4096)
     try:
@@ -705,6 +705,16 @@ def test_a_damaged_header_or_a_repeated_chunk_is_refused(monkeypatch):
             r.wait()
         assert wire.read_frame(sock, "b", False, 5)[0] == wire.REFUSE
         sock.close()
+        # An empty chunk once counted its piece complete a second time (finishing a block
+        # with a piece unwritten); half a word would land unwritten bytes on a device.
+        for k, (offset, n) in enumerate([(4096, 0), (4096, -4), (4098, 4), (4096, 6), (0, 4096.0)]):
+            r = b.recv(f"w{k}", like, one)
+            sock = wire.connect(b.addresses[0], LinkConfig().secret(), 5)
+            wire.sendall(sock, wire.frame(wire.CHUNK, dict(meta, tag=f"w{k}", offset=offset, n=n)), "b")
+            with pytest.raises(TransferError, match=rf"sent bytes {offset}\.\.{offset}\+{n} of a 12288-byte piece of "
+                                                    r"4-byte words"):
+                r.wait()
+            sock.close()
     finally:
         a.close(), b.close()
 

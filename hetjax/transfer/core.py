@@ -172,6 +172,20 @@ def check_peers(peers, processes, what: str, role: str) -> None:
                                 f"the endpoint.addresses of that process (e.g. ({peers[p]!r},) for one)")
 
 
+def settle(future: futures.Future, result=None, error: BaseException | None = None) -> bool:
+    """Sets a transfer's outcome unless it has one: a waiter that timed out may have set
+    it meanwhile, and a stream thread that raised on it would die with its stream's work
+    still queued. True when this call set it."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+        return True
+    except futures.InvalidStateError:
+        return False
+
+
 def finished(result=None) -> futures.Future:
     """A future that is already done (a transfer with nothing left to wait for)."""
     future: futures.Future = futures.Future()

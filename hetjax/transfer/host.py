@@ -66,7 +66,7 @@ class HostEndpoint(Endpoint):
         self._pipes_lock = threading.Lock()
         self._turn = itertools.count()  # the stream a message starts on, round robin
         self._conns: set[socket.socket] = set()  # open incoming connections (close() ends them)
-        self._gate = threading.Lock()  # guards _conns, _unauthenticated and the refusal log
+        self._gate = threading.Lock()  # guards _conns, _unauthenticated, the refusal log and bytes_received
         self._unauthenticated = 0
         self._log_after, self._unlogged = 0.0, 0
         self._closed = self._closing = False
@@ -276,9 +276,13 @@ class HostEndpoint(Endpoint):
             raise TransferError(f"recv {tag!r}: peer {peer} sent piece {j} {region} of leaf {i}, which this "
                                 f"process's plan does not expect here; the two islands disagree on the layouts")
         buf = inbox.buffers[i, j].reshape(-1).view(np.uint8)
-        offset, n = meta["offset"], meta["n"]
-        if not (0 <= offset and offset + n <= buf.size):
-            raise TransferError(f"recv {tag!r}: peer {peer} sent bytes {offset}..{offset + n} of a {buf.size}-byte piece")
+        offset, n, word = meta["offset"], meta["n"], inbox.buffers[i, j].itemsize
+        # An empty chunk would count a piece complete twice, and one that splits a word
+        # would land half-written words on the device (inbox.arrived).
+        if not (type(offset) is int and type(n) is int and 0 <= offset and 0 < n and offset + n <= buf.size
+                and offset % word == n % word == 0):
+            raise TransferError(f"recv {tag!r}: peer {peer} sent bytes {offset}..{offset}+{n} of a {buf.size}-byte "
+                                f"piece of {word}-byte words; a chunk is whole words inside its piece")
         inbox.claim(i, j, offset, n, peer)
         view = memoryview(buf)[offset:offset + n]
         inbox.handle.arriving()
@@ -287,7 +291,8 @@ class HostEndpoint(Endpoint):
             raise TransferError(f"recv {tag!r}: a chunk from peer {peer} (leaf {i}, piece {j}, bytes "
                                 f"{offset}..{offset + n}) failed its {self.cfg.checksum} check: the data was corrupted")
         inbox.activity.touch()
-        self.bytes_received += n
+        with self._gate:  # several streams count at once
+            self.bytes_received += n
         inbox.arrived(i, j, offset, n)
 
     # -- sending ---------------------------------------------------------------------
@@ -330,12 +335,8 @@ class HostEndpoint(Endpoint):
                 last = not any(owed.values())
                 if last:  # every part is off its stream (a failed message's too): the tag is free
                     self._sending.discard(tag)
-                if handle.future.done():
-                    return
-                if error is not None:
-                    handle.future.set_exception(error)
-                elif last:
-                    handle.future.set_result(None)
+                if error is not None or last:
+                    core.settle(handle.future, None, error)
 
         # Its streams wait for a busy receiver (busy_timeout_s); a ping tells busy from lost,
         # asked of the destinations that have not acknowledged their parts yet.

@@ -136,11 +136,10 @@ class Inbox:
         try:
             out = [core.build(a, p, d, self.process, b)
                    for a, p, d, b in zip(self.expect.avals, self.expect.plans, self.expect.dst, self.blocks)]
-            self.future.set_result(jax.tree.unflatten(self.expect.treedef, out))
         except Exception as e:  # noqa: BLE001 - handed to the waiter
             self.fail(e)
+            return
+        core.settle(self.future, jax.tree.unflatten(self.expect.treedef, out))
 
     def fail(self, error: Exception) -> None:
-        with self.lock:  # two streams may fail one receive at once
-            if not self.future.done():
-                self.future.set_exception(error)
+        core.settle(self.future, error=error)
