@@ -173,7 +173,7 @@ def test_every_logged_step_of_a_run_that_evals_has_a_real_step_time(tmp_path):
 
 
 def test_the_receive_pool_never_hands_out_memory_still_in_use():
-    from hetjax.transfer.core import BufferPool
+    from hetjax.transfer.buffers import BufferPool
     pool = BufferPool()
     a = pool.take((64, 64), np.float32)
     view = a[3:5]  # any view keeps the memory in use

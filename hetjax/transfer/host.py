@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax.transfer import core, link, wire
+from hetjax.transfer import buffers, core, link, wire
 from hetjax.transfer.api import Endpoint, check_leaf
 from hetjax.transfer.inbox import Inbox
 from hetjax.transfer.link import TransferError, TransferTimeout
@@ -60,7 +60,7 @@ class HostEndpoint(Endpoint):
         self.checksum = wire.CHECKSUM_FUNCTIONS[cfg.checksum]
         self._inboxes: dict[str, Inbox] = {}
         self._sending: set[str] = set()  # the tags of sends in flight
-        self.buffers = core.BufferPool()  # where received pieces land
+        self.buffers = buffers.BufferPool()  # where received pieces land
         self._posted = threading.Condition()
         self._pipes: dict[tuple, list[Stream]] = {}
         self._pipes_lock = threading.Lock()

@@ -229,7 +229,7 @@ def measure(ctl: Control, backend: str, args, n_src: int) -> dict:
         # The ceiling, as a plain socket program gets it: one buffer per size, written once
         # before timing starts (no page faults), reused.
         import numpy as np
-        from hetjax.transfer.core import aligned_empty
+        from hetjax.transfer.buffers import aligned_empty
         bufs = {k: aligned_empty((n,), np.uint8) for k, n in nbytes.items()}
         for buf in bufs.values():
             buf.fill(0)
