@@ -172,6 +172,21 @@ def start_wandb(w: WandbConfig, run_dir: Path, config: dict, writes: bool | None
 BAR_KEYS = ("loss", "eval_loss", "mfu")  # the progress bar's postfix: 80 columns hold these
 
 
+def summary_writer():
+    """tensorboardX's SummaryWriter, imported without PyTorch. tensorboardX imports torch
+    whenever it is installed (the tests' extras install it for Hugging Face), which cost
+    each training process 4 s for scalars that need only numpy."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this stands
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class Writer:
     """Writes each step's scalars to metrics.jsonl and TensorBoard; shows progress."""
 
@@ -183,7 +198,7 @@ class Writer:
         self.wandb = wandb
         self.tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
+            SummaryWriter = summary_writer()
             self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step or None)
         self.bar = None
         if sys.stderr.isatty():

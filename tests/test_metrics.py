@@ -170,3 +170,27 @@ def test_a_resumed_run_tells_tensorboard_to_drop_the_steps_it_runs_again(tmp_pat
     assert len(files) == 2
     starts = [(e.step, e.session_log.status) for e in _tb_events(files[1]) if e.HasField("session_log")]
     assert starts == [(4, 1)]  # SessionLog.START at step 4: readers drop the first file's later events
+
+
+def test_tensorboard_scalars_are_written_without_importing_pytorch(tmp_path):
+    """tensorboardX imports torch whenever it is installed (4 s per training process);
+    the scalars are written without it, and torch stays importable afterwards."""
+    pytest.importorskip("torch")
+    code = """
+import sys, pathlib
+from hetjax.metrics import Writer
+w = Writer(pathlib.Path(sys.argv[1]), 3, tensorboard=True)
+for s in range(3):
+    w.write(s, {"loss": 4.0 - s})
+w.close()
+print("torch imported:", "torch" in sys.modules)
+import torch
+print("torch importable:", torch.__name__)
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"), timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "torch imported: False" in out.stdout and "torch importable: torch" in out.stdout, out.stdout
+    (events,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    losses = [(e.step, v.simple_value) for e in _tb_events(events) for v in e.summary.value if v.tag == "loss"]
+    assert losses == [(0, 4.0), (1, 3.0), (2, 2.0)]
