@@ -83,6 +83,43 @@ def test_parameter_digest_of_a_padded_pipeline_layout_is_the_model_s(params):
     assert fp.param_fingerprint(padded).digest != fp.param_fingerprint(params).digest  # 4 layers, not 3
 
 
+def _numpy_leaf_words(x: np.ndarray) -> np.ndarray:
+    """digest.leaf_words written out in numpy: what every checkpoint's checksums are made of,
+    so a change that moves one bit would leave saved checkpoints unverifiable."""
+    def mix32(v):
+        v = v ^ (v >> np.uint32(16))
+        v = v * np.uint32(0x85EBCA6B)
+        v = v ^ (v >> np.uint32(13))
+        v = v * np.uint32(0xC2B2AE35)
+        return v ^ (v >> np.uint32(16))
+    x = np.ascontiguousarray(x.astype(np.uint8) if x.dtype == np.bool_ else x)
+    if x.dtype.itemsize == 8:
+        bits = x.view(np.uint32).reshape(*x.shape, 2)
+    else:
+        bits = x.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[x.dtype.itemsize]).astype(np.uint32)
+    index = (np.arange(bits.size, dtype=np.uint64) % 2**32).astype(np.uint32).reshape(bits.shape)
+    return np.array([np.sum(mix32(bits ^ mix32(index * np.uint32(2) + np.uint32(salt))), dtype=np.uint32)
+                     for salt in (1, 0x9E3779B9)], np.uint32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "uint16", "int32", "bool"])
+def test_leaf_words_are_the_numpy_formula_for_any_sharding(dtype):
+    rng, shape = np.random.default_rng(7), (8, 6, 5)
+    if dtype == "bool":
+        host = rng.integers(0, 2, shape).astype(bool)
+    else:  # every bit pattern, NaNs' payloads included
+        width = jax.numpy.dtype(dtype).itemsize
+        host = rng.integers(0, 2**(8 * width), shape, dtype=f"uint{8 * width}").view(jax.numpy.dtype(dtype))
+    want = _numpy_leaf_words(host)
+    assert (np.asarray(fp.leaf_words(host)) == want).all()
+    mesh = make_mesh(MeshConfig(data=2, fsdp=4))
+    spread = jax.device_put(host, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp", "data")))
+    assert (np.asarray(jax.jit(fp.leaf_words)(spread)) == want).all()
+    rows = np.asarray(jax.vmap(fp.leaf_words)(host))  # a stacked leaf's per-layer words
+    assert all((rows[k] == _numpy_leaf_words(host[k])).all() for k in range(len(host)))
+    assert (np.asarray(fp.leaf_words(host[:1, :1, :1].reshape(()))) == _numpy_leaf_words(host[:1, :1, :1].reshape(()))).all()
+
+
 def test_batch_digest_is_exact_for_any_sharding_and_adds_over_rows():
     cfg = dataclasses.replace(CFG, mesh=MeshConfig(data=2, fsdp=4))
     mesh = make_mesh(cfg.mesh)
