@@ -172,19 +172,23 @@ def start_wandb(w: WandbConfig, run_dir: Path, config: dict, writes: bool | None
 BAR_KEYS = ("loss", "eval_loss", "mfu")  # the progress bar's postfix: 80 columns hold these
 
 
+_TENSORBOARD_IMPORT = threading.Lock()
+
+
 def summary_writer():
     """tensorboardX's SummaryWriter, imported without PyTorch. tensorboardX imports torch
     whenever it is installed (the tests' extras install it for Hugging Face), which cost
     each training process 4 s for scalars that need only numpy."""
-    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+    with _TENSORBOARD_IMPORT:
+        if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+            sys.modules.setdefault("torch", None)  # `import torch` raises ImportError while this stands
+            try:
+                import tensorboardX  # noqa: F401
+            finally:
+                if "torch" in sys.modules and sys.modules["torch"] is None:  # ours, never a torch another thread loaded
+                    del sys.modules["torch"]
         from tensorboardX import SummaryWriter
         return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError while this stands
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        del sys.modules["torch"]
-    return SummaryWriter
 
 
 class Writer:

@@ -68,7 +68,7 @@ def leaf_words(x: jax.Array) -> jax.Array:
     else:
         bits = lax.bitcast_convert_type(x, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[width])
         bits = lax.convert_element_type(bits, jnp.uint32)
-    # The row-major position mod 2**32, one iota per axis (each keeps the array's sharding).
+    # The row-major position mod 2**32, from one iota per axis (partitioned as x is).
     index = lax.full(bits.shape, np.uint32(0))
     stride = 1
     for axis in reversed(range(bits.ndim)):
