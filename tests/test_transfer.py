@@ -762,3 +762,26 @@ def test_sub_byte_dtypes_and_an_address_string_for_peers_are_refused_up_front():
             a.send(x, "q", sh, peers={0: "127.0.0.1:1"})
     finally:
         a.close(), b.close()
+
+
+def test_a_kept_route_is_kept_per_plans_dtypes_and_peers():
+    """A sender keeps each message's route (its parts, chunk headers and destinations)
+    across messages. Arrays of one shape and layout but another dtype share a plan, and
+    the same plan sent to another peer shares everything else: each must still arrive
+    as itself, where it was sent."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    src, dst = NamedSharding(mesh, P("x")), NamedSharding(mesh, P(None, "x"))
+    a, b, c = open_endpoint(LinkConfig(backend="host", timeout_s=20)), *endpoints("host")
+    try:
+        for k, (dtype, to) in enumerate([("float32", b), ("int32", b), ("float32", c), ("bfloat16", c)]):
+            x = random_array((8, 8), dtype, k, src)
+            like = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dst)
+            r = to.recv(f"m{k}", like, src, peers={0: a.addresses})
+            h = a.send(x, f"m{k}", dst, peers={0: to.addresses})
+            out = r.wait()
+            h.wait()
+            assert out.dtype == x.dtype and out.sharding == dst
+            np.testing.assert_array_equal(bits(out), bits(x))
+        assert len(a._routes) == 4
+    finally:
+        a.close(), b.close(), c.close()

@@ -18,6 +18,7 @@ Each process sends and receives only the pieces of its addressable shards.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -102,14 +103,22 @@ def _check_tag(tag) -> None:
 
 
 def _check_dtype(what: str, i: int, dtype) -> None:
+    problem = _dtype_problem(np.dtype(dtype))
+    if problem:
+        raise TransferError(f"{what}: leaf {i} is {np.dtype(dtype).name}{problem}")
+
+
+@functools.cache  # asked of every leaf of every message; ml_dtypes answers by raising, 10 us a leaf
+def _dtype_problem(dtype: np.dtype) -> str:
+    """Why arrays of `dtype` are not transferred, or ''."""
     # Transfers move bits (core.as_bits), and XLA bit-casts no complex type.
-    if np.dtype(dtype).kind == "c":
-        raise TransferError(f"{what}: leaf {i} is {np.dtype(dtype).name}; complex arrays are not transferred, "
-                            f"send their real and imaginary parts (jnp.real, jnp.imag) as two arrays")
+    if dtype.kind == "c":
+        return ("; complex arrays are not transferred, send their real and imaginary parts (jnp.real, jnp.imag) "
+                "as two arrays")
     if _bits(dtype) < 8:  # int4, uint4, float4_e2m1fn
-        raise TransferError(f"{what}: leaf {i} is {np.dtype(dtype).name}, {_bits(dtype)} bits an element; XLA "
-                            f"bit-casts nothing narrower than a byte, so such arrays are not transferred: send "
-                            f"them packed two to a byte (uint8) or as int8")
+        return (f", {_bits(dtype)} bits an element; XLA bit-casts nothing narrower than a byte, so such arrays "
+                f"are not transferred: send them packed two to a byte (uint8) or as int8")
+    return ""
 
 
 def _bits(dtype) -> int:

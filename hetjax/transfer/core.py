@@ -343,15 +343,15 @@ def build(aval, plan: Plan, dst: Layout, process: int, blocks: dict[int, object]
     if not math.prod(aval.shape):  # a zero-size array: no piece crossed the link, nothing to fill in
         empty = np.empty(aval.shape, aval.dtype)
         return jax.make_array_from_callback(tuple(aval.shape), sharding, lambda index: empty[index])
-    devices = list(sharding.mesh.devices.flat)
-    group_of = {m: gi for gi, g in enumerate(plan.groups) for m in g.members}
+    devices = sharding._device_assignment  # the mesh's devices, flat (a tuple jax keeps)
+    group_of = plan.group_of
     if (len(blocks) == len(plan.groups) and set(dst.processes) == {process}
             and all(isinstance(b, np.ndarray) for b in blocks.values())):
         # Every block is (small) host memory and every device is ours: one call places each
         # device's block (jax's own device_put of the whole array spends 50 us more on a
         # small message, in checks whose answers the plan already holds).
-        return pxla.batched_device_put(jax_core.ShapedArray(tuple(aval.shape), aval.dtype), sharding,
-                                       [blocks[group_of[pos]] for pos in range(len(devices))], devices)
+        return pxla.batched_device_put(_shaped(tuple(aval.shape), np.dtype(aval.dtype)), sharding,
+                                       [blocks[g] for g in group_of], list(devices))
     spans = any(len({dst.processes[m] for m in g.members}) > 1 for g in plan.groups)
     order = list(blocks)  # one device_put for all blocks (those already there stay)
     placed = jax.device_put([blocks[gi] for gi in order], [devices[plan.groups[gi].receiver] for gi in order])
@@ -371,6 +371,11 @@ def build(aval, plan: Plan, dst: Layout, process: int, blocks: dict[int, object]
             shards.append(jax.device_put(jnp.zeros(shape, aval.dtype), device))
     out = jax.make_array_from_single_device_arrays(tuple(aval.shape), sharding, shards)
     return Unspread(out) if spans else out
+
+
+@functools.lru_cache(maxsize=1024)
+def _shaped(shape: tuple[int, ...], dtype: np.dtype) -> jax_core.ShapedArray:
+    return jax_core.ShapedArray(shape, dtype)
 
 
 @dataclasses.dataclass

@@ -20,17 +20,16 @@ import logging
 import socket
 import threading
 import time
+import typing
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from hetjax.transfer import buffers, core, link, wire
-from hetjax.transfer.api import Endpoint, check_leaf
+from hetjax.transfer import buffers, core, link, stream, wire
+from hetjax.transfer.api import Endpoint
 from hetjax.transfer.inbox import Inbox
 from hetjax.transfer.link import TransferError, TransferTimeout
 from hetjax.transfer.plan import split
-from hetjax.transfer.stream import Job, Stream, is_small
+from hetjax.transfer.stream import Job, Stream
 
 log = logging.getLogger("hetjax.transfer")
 
@@ -46,6 +45,15 @@ CLOSE_GRACE_S = 5.0
 MAX_UNAUTHENTICATED = 32
 HANDSHAKE_S = 5.0
 REFUSAL_LOG_S = 10.0
+
+
+class Route(typing.NamedTuple):
+    """A message's way out (HostEndpoint._route)."""
+
+    plans: list
+    dests: list  # (destination process, its addresses, [stream.Part, one per stream used])
+    named: str  # the destinations, named for errors
+    to: list  # the destination processes
 
 
 def _named(peers, processes) -> str:
@@ -64,6 +72,7 @@ class HostEndpoint(Endpoint):
         self._posted = threading.Condition()
         self._pipes: dict[tuple, list[Stream]] = {}
         self._pipes_lock = threading.Lock()
+        self._routes: dict[tuple, Route] = {}
         self._turn = itertools.count()  # the stream a message starts on, round robin
         self._conns: set[socket.socket] = set()  # open incoming connections (close() ends them)
         self._gate = threading.Lock()  # guards _conns, _unauthenticated, the refusal log and bytes_received
@@ -216,9 +225,10 @@ class HostEndpoint(Endpoint):
                 if kind != wire.END:
                     busy = busy or self._settle(+1)
                     inbox = self._inbox(tag, peer)
-                    # A BATCH holds the chunks' headers, then their payloads in that order.
-                    for chunk in meta["chunks"] if kind == wire.BATCH else [meta]:
-                        self._chunk(conn, peer, inbox, chunk)
+                    if kind == wire.BATCH:  # the chunks' headers, then their payloads in that order
+                        self._batch(conn, peer, inbox, meta["chunks"])
+                    else:
+                        self._chunk(conn, peer, inbox, meta)
                     inbox = None
                 if kind in (wire.END, wire.BATCH):  # every chunk of the message was verified
                     wire.send_frame(conn, wire.ACK, {"tag": tag}, peer)
@@ -261,63 +271,50 @@ class HostEndpoint(Endpoint):
             return self._inboxes[tag]
 
     def _chunk(self, conn, peer, inbox: Inbox, meta: dict) -> None:
-        tag, i, j = inbox.tag, meta["leaf"], meta["piece"]
-        if not isinstance(i, int) or not isinstance(j, int):
-            raise TransferError(f"recv {tag!r}: peer {peer} sent a chunk header without leaf and piece numbers")
-        avals, plans = inbox.expect.avals, inbox.expect.plans
-        if meta.get("leaves") != len(avals):
-            raise TransferError(f"recv {tag!r}: peer {peer} sends {meta.get('leaves')} arrays but this receive "
-                                f"expects {len(avals)}; both islands must agree on the tree")
-        if not 0 <= i < len(avals):
-            raise TransferError(f"recv {tag!r}: peer {peer} sent leaf {i}, but the receiver expects {len(avals)} leaves")
-        check_leaf(tag, i, meta["shape"], jnp.dtype(meta["dtype"]), avals[i])
-        region = tuple(tuple(r) for r in meta["region"])
-        if (i, j) not in inbox.buffers or plans[i].pieces[j].region != region:
-            raise TransferError(f"recv {tag!r}: peer {peer} sent piece {j} {region} of leaf {i}, which this "
-                                f"process's plan does not expect here; the two islands disagree on the layouts")
-        buf = inbox.buffers[i, j].reshape(-1).view(np.uint8)
-        offset, n, word = meta["offset"], meta["n"], inbox.buffers[i, j].itemsize
-        # An empty chunk would count a piece complete twice, and one that splits a word
-        # would land half-written words on the device (inbox.arrived).
-        if not (type(offset) is int and type(n) is int and 0 <= offset and 0 < n and offset + n <= buf.size
-                and offset % word == n % word == 0):
-            raise TransferError(f"recv {tag!r}: peer {peer} sent bytes {offset}..{offset}+{n} of a {buf.size}-byte "
-                                f"piece of {word}-byte words; a chunk is whole words inside its piece")
+        i, j, offset, n, view = inbox.place(peer, meta)
         inbox.claim(i, j, offset, n, peer)
-        view = memoryview(buf)[offset:offset + n]
         inbox.handle.arriving()
         wire.recv_into(conn, view, peer)
-        if wire.chunk_sum(self.checksum, len(avals), i, j, offset, view) != meta["sum"]:
-            raise TransferError(f"recv {tag!r}: a chunk from peer {peer} (leaf {i}, piece {j}, bytes "
-                                f"{offset}..{offset + n}) failed its {self.cfg.checksum} check: the data was corrupted")
+        inbox.verify(peer, meta, view)
         inbox.activity.touch()
         with self._gate:  # several streams count at once
             self.bytes_received += n
         inbox.arrived(i, j, offset, n)
 
+    def _batch(self, conn, peer, inbox: Inbox, metas: list) -> None:
+        """A whole small message: every header checked, its payloads in one read, then
+        each chunk verified and claimed in turn (as _chunk would, chunk after chunk)."""
+        places = [inbox.place(peer, meta) for meta in metas]
+        total = sum(n for _, _, _, n, _ in places)
+        if total > wire.SMALL:
+            raise TransferError(f"recv {inbox.tag!r}: peer {peer} sent a batch of {total} bytes; a batch holds at "
+                                f"most {wire.SMALL}")
+        inbox.handle.arriving()
+        payloads = memoryview(bytearray(total))
+        wire.recv_into(conn, payloads, peer)
+        at = 0
+        for meta, (i, j, offset, n, view) in zip(metas, places):
+            inbox.verify(peer, meta, payloads[at:at + n])
+            inbox.claim(i, j, offset, n, peer)
+            view[:] = payloads[at:at + n]
+            at += n
+        inbox.activity.touch()
+        with self._gate:
+            self.bytes_received += total
+        for i, j, offset, n, _ in places:
+            inbox.arrived(i, j, offset, n)
+
     # -- sending ---------------------------------------------------------------------
 
     def send(self, tree, tag, dst, peers=None):
         leaves, plans, _ = self.prepare_send(tree, tag, dst)
-        work: dict[int, list] = {}
-        for i, plan in enumerate(plans):
-            for j, piece in enumerate(plan.pieces):
-                if piece.src_process == self.process:
-                    work.setdefault(piece.dst_process, []).append((i, j, piece))
-        core.check_peers(peers, work, f"send {tag!r}", "destination")
-        handle = core.Handle(core.futures.Future(), f"send {tag!r} to destination {_named(peers, sorted(work))}")
-        jobs = []  # (destination, stream, chunks)
-        for q, items in sorted(work.items()):
-            chunks = [(i, j, piece, sub, offset) for i, j, piece in items
-                      for sub, offset in split(piece.region, np.dtype(leaves[i].dtype).itemsize, self.cfg.chunk_bytes)]
-            if not chunks:  # nothing to send; and a stream with no chunk sends no END
-                continue
-            streams = self._streams(tuple(peers[q]))
-            # Enough bytes per stream to pay for its own round trip; a small message takes one.
-            used = max(1, min(len(streams), sum(p.nbytes for _, _, p in items) // _STREAM_BYTES, len(chunks)))
+        route = self._route(leaves, plans, tag, peers)
+        handle = core.Handle(core.futures.Future(), f"send {tag!r} to destination {route.named}")
+        jobs = []  # (destination, stream, part)
+        for q, addresses, parts in route.dests:
+            streams = self._streams(addresses)
             first = next(self._turn) % len(streams)
-            for k in range(used):
-                jobs.append((q, streams[(first + k) % len(streams)], chunks[k::used]))
+            jobs += [(q, streams[(first + k) % len(streams)], part) for k, part in enumerate(parts)]
         with self._posted:  # two messages of one tag would interleave at the receiver
             if tag in self._sending:
                 raise TransferError(f"send {tag!r}: a send with this tag is still in flight; tags must be unique "
@@ -341,14 +338,42 @@ class HostEndpoint(Endpoint):
         # Its streams wait for a busy receiver (busy_timeout_s); a ping tells busy from lost,
         # asked of the destinations that have not acknowledged their parts yet.
         handle.watch(core.progress_idle(handle), self.cfg.timeout_s,
-                     wire.pinger(peers, sorted(work), self._secret, HANDSHAKE_S,
+                     wire.pinger(peers, route.to, self._secret, HANDSHAKE_S,
                                  lambda: sorted(q for q, n in owed.items() if n)), self.cfg.busy_timeout_s)
-        for q, stream, chunks in jobs:
-            stream.put(Job(tag, leaves, plans, chunks, handle, functools.partial(finished, q), {}, {},
-                           is_small(leaves, chunks)))
+        for q, pipe, part in jobs:
+            pipe.put(Job(tag, leaves, plans, part, handle, functools.partial(finished, q), {}, {}))
         # A send its waiter gave up on (TransferTimeout) frees its streams for the next ones.
         handle.future.add_done_callback(lambda f: [s.abort(tag) for _, s, _ in jobs] if f.exception() else None)
         return handle
+
+    def _route(self, leaves, plans, tag, peers) -> Route:
+        """How a message of these plans goes out: its parts per destination and stream.
+        Made once per (plans, dtypes, peers) and kept: a step sends the same every time,
+        and working it out again cost more than a small message's trip."""
+        key = (tuple(map(id, plans)), tuple(x.dtype for x in leaves),  # plans are kept in the route: ids stay theirs
+               tuple((q, a if isinstance(a, str) else tuple(a)) for q, a in peers.items()) if peers else None)
+        route = self._routes.get(key)
+        if route is not None:
+            return route
+        work: dict[int, list] = {}
+        for i, plan in enumerate(plans):
+            for j, piece in enumerate(plan.pieces):
+                if piece.src_process == self.process:
+                    work.setdefault(piece.dst_process, []).append((i, j, piece))
+        core.check_peers(peers, work, f"send {tag!r}", "destination")
+        dests = []
+        for q, items in sorted(work.items()):
+            chunks = [(i, j, piece, sub, offset) for i, j, piece in items
+                      for sub, offset in split(piece.region, np.dtype(leaves[i].dtype).itemsize, self.cfg.chunk_bytes)]
+            if not chunks:  # nothing to send; and a stream with no chunk sends no END
+                continue
+            # Enough bytes per stream to pay for its own round trip; a small message takes one.
+            used = max(1, min(self.cfg.streams, sum(p.nbytes for _, _, p in items) // _STREAM_BYTES, len(chunks)))
+            dests.append((q, tuple(peers[q]), [stream.part(leaves, chunks[k::used]) for k in range(used)]))
+        if len(self._routes) >= 256:  # a job's routes are a few; more is a sweep of shapes
+            self._routes.clear()
+        self._routes[key] = route = Route(plans, dests, _named(peers, sorted(work)), sorted(work))
+        return route
 
     def connect(self, address: str) -> socket.socket:
         """A new authenticated connection to a peer's `address` (a stream's, on its first use).
@@ -389,8 +414,8 @@ class HostEndpoint(Endpoint):
             s.close()
         with self._pipes_lock:
             for streams in self._pipes.values():
-                for stream in streams:
-                    stream.close()
+                for pipe in streams:
+                    pipe.close()
         with self._posted:
             inboxes = list(self._inboxes.values())
             self._posted.notify_all()

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax.transfer import core, wire
+from hetjax.transfer import core, stream, wire
+from hetjax.transfer.api import check_leaf
 from hetjax.transfer.link import TransferError
 from hetjax.transfer.plan import extent
 
@@ -75,6 +76,40 @@ class Inbox:
             with lock:
                 return sorted({plans[i].pieces[j].src_process for (i, j), n in left.items() if n})
         return owing
+
+    def place(self, peer, meta: dict) -> tuple:
+        """(leaf, piece, offset, length, where the bytes go) of a chunk whose header
+        matches this receive's plan (to claim before the bytes are written there)."""
+        tag, i, j = self.tag, meta["leaf"], meta["piece"]
+        if not isinstance(i, int) or not isinstance(j, int):
+            raise TransferError(f"recv {tag!r}: peer {peer} sent a chunk header without leaf and piece numbers")
+        avals, plans = self.expect.avals, self.expect.plans
+        if meta.get("leaves") != len(avals):
+            raise TransferError(f"recv {tag!r}: peer {peer} sends {meta.get('leaves')} arrays but this receive "
+                                f"expects {len(avals)}; both islands must agree on the tree")
+        if not 0 <= i < len(avals):
+            raise TransferError(f"recv {tag!r}: peer {peer} sent leaf {i}, but the receiver expects {len(avals)} leaves")
+        if meta["shape"] != list(avals[i].shape) or meta["dtype"] != stream.dtype_name(avals[i].dtype):
+            check_leaf(tag, i, meta["shape"], jnp.dtype(meta["dtype"]), avals[i])
+        if (i, j) not in self.buffers or plans[i].wire_regions[j] != meta["region"]:
+            raise TransferError(f"recv {tag!r}: peer {peer} sent piece {j} {meta['region']} of leaf {i}, which this "
+                                f"process's plan does not expect here; the two islands disagree on the layouts")
+        buf = self.buffers[i, j].reshape(-1).view(np.uint8)
+        offset, n, word = meta["offset"], meta["n"], self.buffers[i, j].itemsize
+        # An empty chunk would count a piece complete twice, and one that splits a word
+        # would land half-written words on the device (inbox.arrived).
+        if not (type(offset) is int and type(n) is int and 0 <= offset and 0 < n and offset + n <= buf.size
+                and offset % word == n % word == 0):
+            raise TransferError(f"recv {tag!r}: peer {peer} sent bytes {offset}..{offset}+{n} of a {buf.size}-byte "
+                                f"piece of {word}-byte words; a chunk is whole words inside its piece")
+        return i, j, offset, n, memoryview(buf)[offset:offset + n]
+
+    def verify(self, peer, meta: dict, payload) -> None:
+        i, j, offset = meta["leaf"], meta["piece"], meta["offset"]
+        if wire.chunk_sum(self.endpoint.checksum, meta["leaves"], i, j, offset, payload) != meta["sum"]:
+            raise TransferError(f"recv {self.tag!r}: a chunk from peer {peer} (leaf {i}, piece {j}, bytes "
+                                f"{offset}..{offset + len(payload)}) failed its {self.endpoint.cfg.checksum} check: the data "
+                                f"was corrupted")
 
     def claim(self, i: int, j: int, offset: int, n: int, peer) -> None:
         """Refuses bytes of a piece that already arrived: counted twice, they would finish

@@ -161,6 +161,17 @@ class Plan:
     src_regions: tuple[Region, ...]  # per source mesh position
     dst_regions: tuple[Region, ...]  # per destination mesh position
 
+    @functools.cached_property  # plans are cached (make_plan): made once, read by every chunk received
+    def wire_regions(self) -> tuple[list, ...]:
+        """Each piece's region as a chunk header gives it (JSON lists)."""
+        return tuple([list(r) for r in p.region] for p in self.pieces)
+
+    @functools.cached_property
+    def group_of(self) -> tuple[int, ...]:
+        """The group of each destination mesh position."""
+        of = {m: gi for gi, g in enumerate(self.groups) for m in g.members}
+        return tuple(of[pos] for pos in range(len(self.dst_regions)))
+
     @property
     def wire_bytes(self) -> int:
         return sum(p.nbytes for p in self.pieces)

@@ -26,23 +26,38 @@ from hetjax.transfer.plan import volume
 _counted = threading.Lock()  # guards Handle.wire_bytes across stream threads
 
 
+class Part(typing.NamedTuple):
+    """One stream's share of a message to one destination, the same in every message of
+    its route (host.py): its chunks, their headers but the checksums, and whether it
+    goes as one BATCH frame (at most wire.SMALL bytes)."""
+
+    chunks: list  # (leaf, piece index, piece, sub-region, byte offset in the piece)
+    fields: list  # per chunk: wire.chunk_fields
+    small: bool
+
+
+def part(leaves, chunks) -> Part:
+    """The Part of `chunks` of arrays like `leaves`."""
+    fields, total = [], 0
+    for i, j, piece, sub, offset in chunks:
+        x = leaves[i]
+        n = volume(sub) * np.dtype(x.dtype).itemsize
+        fields.append(wire.chunk_fields(len(leaves), i, j, x.shape, dtype_name(x.dtype), piece.region, offset, n))
+        total += n
+    return Part(chunks, fields, total <= wire.SMALL)
+
+
 class Job(typing.NamedTuple):
-    """Part of one message for one stream: its chunks, and whom to tell when they are in."""
+    """A Part of one message, and whom to tell when it is in."""
 
     tag: str
     leaves: list
     plans: list
-    chunks: list  # (leaf, piece index, piece, sub-region, byte offset in the piece)
+    part: Part
     handle: core.Handle
     finished: typing.Callable  # finished(None) once acknowledged, finished(error) on failure
     shards: dict  # (leaf, source position) -> the shard as a numpy array (CPU), made once
     by_position: dict  # leaf -> core.shards_by_position(leaf), made once
-    small: bool  # at most wire.SMALL bytes: the job goes as one BATCH frame (see is_small)
-
-
-def is_small(leaves, chunks) -> bool:
-    """Whether `chunks` of `leaves` hold at most wire.SMALL bytes."""
-    return sum(volume(sub) * np.dtype(leaves[i].dtype).itemsize for i, _, _, sub, _ in chunks) <= wire.SMALL
 
 
 class Stream:
@@ -68,8 +83,8 @@ class Stream:
                 self.queued += 1
                 # Idle, connected, and a small message that is ready: written here (the
                 # lock keeps later puts behind it), acknowledged on the thread.
-                written = (self.queued == 1 and self.sock is not None and job.small
-                           and all(job.leaves[i].is_ready() for i in {c[0] for c in job.chunks}))
+                written = (self.queued == 1 and self.sock is not None and job.part.small
+                           and all(job.leaves[i].is_ready() for i in {c[0] for c in job.part.chunks}))
                 try:
                     if written:
                         self._write(job)
@@ -143,28 +158,27 @@ class Stream:
 
     def _write(self, job: Job) -> None:
         """Puts the job's chunks and its END on the wire (one BATCH frame when small)."""
-        if job.small:
+        chunks, fields = job.part.chunks, job.part.fields
+        if job.part.small:
             # Every chunk's copy off the device starts before the first is waited for.
-            hosts = [_host_chunk(job, k, self.endpoint) for k in range(len(job.chunks))]
+            hosts = [_host_chunk(job, k, self.endpoint) for k in range(len(chunks))]
             payloads = [_payload(h) for h in hosts]
-            metas = [_chunk_meta(job, i, j, piece, offset, payload, self.endpoint)
-                     for (i, j, piece, _, offset), payload in zip(job.chunks, payloads)]
-            batch = wire.frame(wire.BATCH, {"tag": job.tag, "chunks": metas})
-            wire.sendall(self.sock, b"".join([batch, *payloads]), self.address)
+            sums = [_sum(job, k, payload, self.endpoint) for k, payload in enumerate(payloads)]
+            wire.sendall(self.sock, b"".join([wire.batch_frame(job.tag, fields, sums), *payloads]), self.address)
             with _counted:
                 job.handle.wire_bytes += sum(map(len, payloads))
             return
         ep, sock, address, tag = self.endpoint, self.sock, self.address, job.tag
         copy = _host_chunk(job, 0, ep)  # the next chunk's copy to the host runs while this one is sent
         pending = []  # small chunks wait here and go out together, in as few packets as they fit
-        for k, (i, j, piece, sub, offset) in enumerate(job.chunks):
-            data, copy = copy, (_host_chunk(job, k + 1, ep) if k + 1 < len(job.chunks) else None)
+        for k in range(len(chunks)):
+            data, copy = copy, (_host_chunk(job, k + 1, ep) if k + 1 < len(chunks) else None)
             payload = _payload(data)
-            frame = {"tag": tag, **_chunk_meta(job, i, j, piece, offset, payload, ep)}
+            frame = wire.chunk_frame(tag, fields[k], _sum(job, k, payload, ep))
             if payload.nbytes <= wire.SMALL and sum(map(len, pending)) <= wire.SMALL:
-                pending += [wire.frame(wire.CHUNK, frame), payload.tobytes()]
+                pending += [frame, payload.tobytes()]
             else:
-                wire.sendall(sock, b"".join(pending) + wire.frame(wire.CHUNK, frame), address)
+                wire.sendall(sock, b"".join(pending) + frame, address)
                 wire.sendall(sock, payload, address)
                 pending = []
             with _counted:
@@ -192,15 +206,14 @@ def _payload(data) -> memoryview:
     return memoryview(np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8))
 
 
-def _chunk_meta(job: Job, i: int, j: int, piece, offset: int, payload: memoryview, endpoint) -> dict:
-    x = job.leaves[i]
-    return {"leaves": len(job.leaves), "leaf": i, "piece": j, "shape": list(x.shape), "dtype": _dtype_name(x.dtype),
-            "region": [list(r) for r in piece.region], "offset": offset, "n": payload.nbytes,
-            "sum": wire.chunk_sum(endpoint.checksum, len(job.leaves), i, j, offset, payload)}
+def _sum(job: Job, k: int, payload: memoryview, endpoint) -> int:
+    i, j, _, _, offset = job.part.chunks[k]
+    return wire.chunk_sum(endpoint.checksum, len(job.leaves), i, j, offset, payload)
 
 
 @functools.cache
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
+    """The dtype's name, as a chunk header gives it."""
     return np.dtype(dtype).name  # numpy works the name out anew at each call: 4 us a chunk
 
 
@@ -208,7 +221,7 @@ def _host_chunk(job: Job, k: int, endpoint):
     """Chunk k of a job as host memory: a view on CPU (no copy when contiguous; each
     shard is made a numpy array once per job, not once per chunk); elsewhere a
     device-side slice whose copy to the host starts now (it is read later)."""
-    i, _, piece, sub, _ = job.chunks[k]
+    i, _, piece, sub, _ = job.part.chunks[k]
     x, plan = job.leaves[i], job.plans[i]
     within = plan.src_regions[piece.src]
     index = core.local_slices(sub, within)

@@ -87,8 +87,30 @@ def sendall(sock, data, peer: str) -> None:
 
 def frame(kind: int, meta: dict) -> bytes:
     """A frame of `kind` carrying `meta` as its JSON header."""
-    head = json.dumps(meta).encode()
+    return _frame(kind, json.dumps(meta))
+
+
+def _frame(kind: int, header: str) -> bytes:
+    head = header.encode()
     return FRAME.pack(MAGIC, kind, len(head)) + head
+
+
+def chunk_fields(leaves: int, leaf: int, piece: int, shape, dtype: str, region, offset: int, n: int) -> str:
+    """A chunk header's fields but its checksum, as JSON text: the same in every message
+    of a route (a step sends the same arrays each time), so written once, not per chunk."""
+    return json.dumps({"leaves": leaves, "leaf": leaf, "piece": piece, "shape": list(shape), "dtype": dtype,
+                       "region": [list(r) for r in region], "offset": offset, "n": n})[1:-1]
+
+
+def chunk_frame(tag: str, fields: str, checksum: int) -> bytes:
+    """A CHUNK frame: the chunk's header (see chunk_fields) with its tag and checksum."""
+    return _frame(CHUNK, f'{{"tag": {json.dumps(tag)}, {fields}, "sum": {checksum}}}')
+
+
+def batch_frame(tag: str, fields: list[str], checksums: list[int]) -> bytes:
+    """A BATCH frame: the headers of a whole small message's chunks (their payloads follow)."""
+    chunks = ", ".join(f'{{{f}, "sum": {c}}}' for f, c in zip(fields, checksums))
+    return _frame(BATCH, f'{{"tag": {json.dumps(tag)}, "chunks": [{chunks}]}}')
 
 
 def send_frame(sock, kind: int, meta: dict, peer: str) -> None:
