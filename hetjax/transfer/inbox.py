@@ -17,10 +17,10 @@ from hetjax.transfer.link import TransferError
 from hetjax.transfer.plan import extent
 
 
-# Devices a large piece lands on chunk by chunk as its bytes are verified, so that the
-# host -> device copy overlaps the stream instead of following its last byte (an H200
-# took host's 256 MiB at 0.26 of raw TCP with one device_put per block). jax on CPU
-# adopts a whole block without a copy, which chunks would turn into one.
+# Devices where host -> device is a copy: there a large piece lands chunk by chunk as
+# its bytes are verified, so that the copy overlaps the stream instead of following its
+# last byte (an H200 took host's 256 MiB at 0.26 of raw TCP with one device_put per
+# block). jax on CPU adopts a whole block without a copy, which chunks would turn into one.
 LAND_BY_CHUNK = frozenset({"gpu", "cuda", "rocm", "tpu"})
 LAND_MIN_BYTES = wire.SMALL  # smaller pieces go with the message's one batched device_put
 
@@ -144,7 +144,9 @@ class Inbox:
             if self.group_left[i, gi]:
                 return
         # The block is complete. A large one goes host -> device now, while other chunks
-        # still arrive; small ones go together when the message is in (build: one call).
+        # still arrive; small ones, and every one on CPU (where jax adopts the host block,
+        # so there is no copy to overlap, only 150 us of dispatch a block), go together
+        # when the message is in (build: one call).
         t = time.perf_counter()
         group, dtype = plan.groups[gi], self.expect.avals[i].dtype
         mine = [k for k, p in enumerate(plan.pieces) if (i, k) in self.buffers and p.group == gi]
@@ -157,8 +159,9 @@ class Inbox:
             self.endpoint.copied(self.tag, t)
         else:
             block = core.block_from_host_pieces(group, [(plan.pieces[k], self.buffers[i, k]) for k in mine], dtype)
-            if block.nbytes > wire.SMALL:
-                block = jax.device_put(block, self.expect.avals[i].sharding.mesh.devices.flat[group.receiver])
+            device = self.expect.avals[i].sharding.mesh.devices.flat[group.receiver]
+            if block.nbytes > wire.SMALL and device.platform in LAND_BY_CHUNK:
+                block = jax.device_put(block, device)
                 self.endpoint.copied(self.tag, t)
         with self.lock:
             self.blocks[i][gi] = block
