@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from hetjax.config import CHECKSUMS, ConfigError
 from hetjax.transfer import LinkConfig, TransferError, TransferTimeout, open_endpoint
 from hetjax.transfer import inbox as inbox_module
+from hetjax.transfer import wire
 from hetjax.transfer.plan import Layout
 from tests.test_transfer_plan import cases
 
@@ -491,6 +492,41 @@ def test_a_timed_out_receive_is_withdrawn_and_its_tag_can_be_posted_again():
         assert r.done() and isinstance(r.future.exception(), TransferTimeout)
         out, _, _ = move(a, b, x, sh)  # the same tag, posted again, receives the message
         np.testing.assert_array_equal(bits(out), bits(x))
+    finally:
+        a.close(), b.close()
+
+
+def test_the_rest_of_a_message_whose_receive_was_withdrawn_is_refused_not_landed_in_a_new_one():
+    """A receive that timed out mid-message is withdrawn and its tag may be posted again.
+    The old message's later chunks, still on their stream, once landed in the new receive
+    and broke it (bytes counted twice, or stale bytes in a fresh array)."""
+    one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P())
+    x = jax.device_put(jnp.arange(3072, dtype=jnp.int32), one)  # three chunks of 4096 bytes
+    like = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)
+    a, b = endpoints("host", timeout_s=0.5, busy_timeout_s=5, chunk_bytes=4096)
+    stale = np.full(3072, -1, np.int32).view(np.uint8)  # the old message: other bytes
+    meta = {"tag": "t", "leaves": 1, "leaf": 0, "piece": 0, "shape": [3072], "dtype": "int32",
+            "region": [[0, 3072]], "n": 4096}
+
+    def chunk(k):
+        payload = memoryview(stale[4096 * k:4096 * (k + 1)])
+        return wire.frame(wire.CHUNK, dict(meta, offset=4096 * k, sum=wire.chunk_sum(b.checksum, 1, 0, 0, 4096 * k,
+                                                                                    payload))) + payload.tobytes()
+    try:
+        r = b.recv("t", like, one)
+        sock = wire.connect(b.addresses[0], LinkConfig().secret(), 5)
+        wire.sendall(sock, chunk(0), "b")
+        with pytest.raises(TransferTimeout):
+            r.wait()
+        r = b.recv("t", like, one)  # posted again; the old message goes on
+        wire.sendall(sock, chunk(1) + chunk(2) + wire.frame(wire.END, {"tag": "t"}), "b")
+        kind, said = wire.read_frame(sock, "b", False, 5)
+        assert kind == wire.REFUSE and "was withdrawn" in said["reason"]
+        sock.close()
+        assert not r.done()  # untouched by the old message
+        h = a.send(x, "t", one, peers={0: b.addresses})
+        np.testing.assert_array_equal(np.asarray(r.wait()), np.asarray(x))
+        h.wait()
     finally:
         a.close(), b.close()
 

@@ -209,6 +209,7 @@ class HostEndpoint(Endpoint):
         with self._gate:
             self._conns.add(conn)
         inbox, busy, tag = None, False, None
+        began = None  # (tag, its receive) of the chunked message this stream is in the middle of
         try:
             if not self._handshake(conn, peer):
                 return
@@ -224,12 +225,22 @@ class HostEndpoint(Endpoint):
                 tag = meta.get("tag")
                 if kind != wire.END:
                     busy = busy or self._settle(+1)
-                    inbox = self._inbox(tag, peer)
+                    posted = self._inbox(tag, peer)
+                    if began is not None and began[0] == tag and began[1] is not posted:
+                        # Its receive timed out and was withdrawn, and the tag posted again:
+                        # the rest of the old message must not land in the new receive.
+                        raise TransferError(f"recv {tag!r}: the receive that peer {peer}'s message began in was "
+                                            f"withdrawn (its wait timed out); the rest of that message is refused, "
+                                            f"and the receive posted since waits for a message of its own")
+                    inbox = posted
                     if kind == wire.BATCH:  # the chunks' headers, then their payloads in that order
                         self._batch(conn, peer, inbox, meta["chunks"])
                     else:
                         self._chunk(conn, peer, inbox, meta)
+                        began = (tag, inbox)
                     inbox = None
+                else:
+                    began = None
                 if kind in (wire.END, wire.BATCH):  # every chunk of the message was verified
                     wire.send_frame(conn, wire.ACK, {"tag": tag}, peer)
                     busy = busy and self._settle(-1)
