@@ -821,3 +821,18 @@ def test_a_kept_route_is_kept_per_plans_dtypes_and_peers():
         assert len(a._routes) == 4
     finally:
         a.close(), b.close(), c.close()
+
+
+def test_a_peers_entry_for_a_process_the_message_skips_may_be_anything():
+    """peers may name processes a message does not go to; their entries are not looked at."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    sh = NamedSharding(mesh, P("x"))
+    a, b = endpoints("host")
+    try:
+        x = random_array((4, 2), "int32", 1, sh)
+        r = b.recv("t", jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), sh, peers={0: a.addresses})
+        h = a.send(x, "t", sh, peers={0: b.addresses, 3: None, 4: [["unhashable"]]})
+        np.testing.assert_array_equal(bits(r.wait()), bits(x))
+        h.wait()
+    finally:
+        a.close(), b.close()

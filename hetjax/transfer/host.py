@@ -361,9 +361,12 @@ class HostEndpoint(Endpoint):
         """How a message of these plans goes out: its parts per destination and stream.
         Made once per (plans, dtypes, peers) and kept: a step sends the same every time,
         and working it out again cost more than a small message's trip."""
-        key = (tuple(map(id, plans)), tuple(x.dtype for x in leaves),  # plans are kept in the route: ids stay theirs
-               tuple((q, a if isinstance(a, str) else tuple(a)) for q, a in peers.items()) if peers else None)
-        route = self._routes.get(key)
+        try:  # plans are kept in the route: their ids stay theirs
+            key = (tuple(map(id, plans)), tuple(x.dtype for x in leaves),
+                   tuple((q, a if isinstance(a, str) else tuple(a)) for q, a in peers.items()) if peers else None)
+            route = self._routes.get(key)
+        except TypeError:  # an odd peers entry: check_peers names it if the message goes there
+            key = route = None
         if route is not None:
             return route
         work: dict[int, list] = {}
@@ -381,9 +384,11 @@ class HostEndpoint(Endpoint):
             # Enough bytes per stream to pay for its own round trip; a small message takes one.
             used = max(1, min(self.cfg.streams, sum(p.nbytes for _, _, p in items) // _STREAM_BYTES, len(chunks)))
             dests.append((q, tuple(peers[q]), [stream.part(leaves, chunks[k::used]) for k in range(used)]))
-        if len(self._routes) >= 256:  # a job's routes are a few; more is a sweep of shapes
-            self._routes.clear()
-        self._routes[key] = route = Route(plans, dests, _named(peers, sorted(work)), sorted(work))
+        route = Route(plans, dests, _named(peers, sorted(work)), sorted(work))
+        if key is not None:
+            if len(self._routes) >= 256:  # a job's routes are a few; more is a sweep of shapes
+                self._routes.clear()
+            self._routes[key] = route
         return route
 
     def connect(self, address: str) -> socket.socket:
