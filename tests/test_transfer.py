@@ -98,10 +98,10 @@ def test_pieces_landed_on_their_device_chunk_by_chunk_arrive_bit_for_bit(monkeyp
     chunks still arrive, and joins them there (inbox.LAND_BY_CHUNK; on CPU a whole piece
     goes at once, so the test turns it on for CPU). Chunks of two streams arrive in either
     order; NaN payloads and the piece's place in its block must survive the join."""
-    import hetjax.transfer.host
+    import hetjax.transfer.stream
     monkeypatch.setattr(inbox_module, "LAND_BY_CHUNK", frozenset({"cpu"}))
     monkeypatch.setattr(inbox_module, "LAND_MIN_BYTES", 1024)
-    monkeypatch.setattr(hetjax.transfer.host, "_STREAM_BYTES", 1)  # both streams, however small the message
+    monkeypatch.setattr(hetjax.transfer.stream, "_STREAM_BYTES", 1)  # both streams, however small the message
     joined, threads, held = [], set(), []
     real_join, real_arrived, real_finish = inbox_module._join, inbox_module.Inbox.arrived, inbox_module.Inbox.finish
     monkeypatch.setattr(inbox_module, "_join", lambda chunks, shape, dtype: joined.append(len(chunks))
@@ -546,6 +546,22 @@ def test_a_closed_endpoint_lets_go_of_its_port():
     again.close()
     with pytest.raises(TransferError, match="the endpoint is closed"):
         a.send(random_array((8, 4), "int32", 7, sh), "late", sh, peers={0: ("127.0.0.1:9",)})
+
+
+def test_close_returns_once_the_endpoints_threads_have_ended():
+    """A thread of a closed endpoint still running as the interpreter finalizes can abort
+    the process ("FATAL: exception not rethrown"); close() waits for its accepting,
+    receiving and sending threads (each named after its endpoint's or peer's address)."""
+    a, b = endpoints("host", streams=2)
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))
+    for k in range(3):  # both ways: each side has sending and receiving threads
+        move(a, b, random_array((8, 4), "int32", k, sh), sh, tag=f"ab{k}")
+        move(b, a, random_array((8, 4), "int32", k, sh), sh, tag=f"ba{k}")
+    ours = lambda: [t.name for t in threading.enumerate()  # noqa: E731
+                    if t.name.startswith("hetjax-") and t.name.endswith(a.addresses + b.addresses)]
+    assert len(ours()) >= 6  # accepting (2), receiving (2) and sending (2) at least
+    a.close(), b.close()
+    assert ours() == []
 
 
 def test_complex_arrays_are_refused_naming_the_leaf():

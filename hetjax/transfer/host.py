@@ -20,20 +20,16 @@ import logging
 import socket
 import threading
 import time
-import typing
 
-import numpy as np
 
 from hetjax.transfer import buffers, core, link, stream, wire
 from hetjax.transfer.api import Endpoint
 from hetjax.transfer.inbox import Inbox
 from hetjax.transfer.link import TransferError, TransferTimeout
-from hetjax.transfer.plan import split
 from hetjax.transfer.stream import Job, Stream
 
 log = logging.getLogger("hetjax.transfer")
 
-_STREAM_BYTES = 1 << 20  # a message uses another stream for every MiB it holds, up to LinkConfig.streams
 # How long close() waits for the END frames of messages that already arrived: they follow
 # their last chunk at once, so this is only reached when a sender died mid-message.
 CLOSE_GRACE_S = 5.0
@@ -47,20 +43,6 @@ HANDSHAKE_S = 5.0
 REFUSAL_LOG_S = 10.0
 
 
-class Route(typing.NamedTuple):
-    """A message's way out (HostEndpoint._route)."""
-
-    plans: list
-    dests: list  # (destination process, its addresses, [stream.Part, one per stream used])
-    named: str  # the destinations, named for errors
-    to: list  # the destination processes
-
-
-def _named(peers, processes) -> str:
-    """'process 0 at 10.0.0.1:5000, process 1': the peers a message's description names."""
-    return ", ".join(f"process {p}" + (f" at {','.join(peers[p])}" if peers and p in peers else "") for p in processes)
-
-
 class HostEndpoint(Endpoint):
     def __init__(self, cfg, process_index=None):
         super().__init__(cfg, process_index)
@@ -72,11 +54,12 @@ class HostEndpoint(Endpoint):
         self._posted = threading.Condition()
         self._pipes: dict[tuple, list[Stream]] = {}
         self._pipes_lock = threading.Lock()
-        self._routes: dict[tuple, Route] = {}
+        self._routes: dict[tuple, stream.Route] = {}
         self._turn = itertools.count()  # the stream a message starts on, round robin
         self._conns: set[socket.socket] = set()  # open incoming connections (close() ends them)
         self._gate = threading.Lock()  # guards _conns, _unauthenticated, the refusal log and bytes_received
         self._unauthenticated = 0
+        self._threads: set[threading.Thread] = set()  # accepting and receiving (close() waits for them)
         self._log_after, self._unlogged = 0.0, 0
         self._closed = self._closing = False
         # Streams holding chunks whose END is not acknowledged yet: a receive completes
@@ -101,7 +84,7 @@ class HostEndpoint(Endpoint):
             s.listen(64)
             self._listeners.append(s)
             addresses.append(link.address(host, s.getsockname()[1]))
-            threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+            self._start(self._accept, s, addresses[-1], name=f"hetjax-accept-{addresses[-1]}")
         self.addresses = tuple(addresses)
 
     # -- receiving -------------------------------------------------------------------
@@ -109,7 +92,7 @@ class HostEndpoint(Endpoint):
     def recv(self, tag, like, src, peers=None):
         expect = self.prepare_recv(tag, like, src)
         senders = sorted({p.src_process for plan in expect.plans for p in plan.received_by(self.process)})
-        handle = core.Handle(core.futures.Future(), f"recv {tag!r} from source {_named(peers, senders)}")
+        handle = core.Handle(core.futures.Future(), f"recv {tag!r} from source {stream.named(peers, senders)}")
         inbox = Inbox(self, tag, expect, handle)
         handle.watch(inbox.activity.idle, self.cfg.timeout_s,
                      wire.pinger(peers, senders, self._secret, HANDSHAKE_S, inbox.owing()), self.cfg.busy_timeout_s)
@@ -130,7 +113,26 @@ class HostEndpoint(Endpoint):
             if id(self._inboxes.get(tag)) == key:
                 del self._inboxes[tag]
 
-    def _accept(self, listener):
+    def _start(self, target, *args, name: str) -> None:
+        """Starts one of this endpoint's threads, which close() waits for."""
+        thread = threading.Thread(target=self._finally_gone, args=(target, *args), daemon=True, name=name)
+        with self._gate:
+            self._threads.add(thread)
+        try:
+            thread.start()
+        except BaseException:
+            with self._gate:
+                self._threads.discard(thread)
+            raise
+
+    def _finally_gone(self, target, *args) -> None:
+        try:
+            target(*args)
+        finally:
+            with self._gate:
+                self._threads.discard(threading.current_thread())
+
+    def _accept(self, listener, here: str):
         """Accepts connections until close(). An accept error (out of descriptors, of
         memory) is waited out with a growing pause, never the end of the loop: the
         connections wait in the kernel's backlog meanwhile."""
@@ -160,7 +162,7 @@ class HostEndpoint(Endpoint):
                 self._refused(peer, f"{MAX_UNAUTHENTICATED} connections are already in their handshake")
                 continue
             try:
-                threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
+                self._start(self._serve, conn, peer, name=f"hetjax-recv-{here}")
             except RuntimeError as e:  # no thread to be had: refused like any other excess
                 with self._gate:
                     self._unauthenticated -= 1
@@ -357,7 +359,7 @@ class HostEndpoint(Endpoint):
         handle.future.add_done_callback(lambda f: [s.abort(tag) for _, s, _ in jobs] if f.exception() else None)
         return handle
 
-    def _route(self, leaves, plans, tag, peers) -> Route:
+    def _route(self, leaves, plans, tag, peers) -> stream.Route:
         """How a message of these plans goes out: its parts per destination and stream.
         Made once per (plans, dtypes, peers) and kept: a step sends the same every time,
         and working it out again cost more than a small message's trip."""
@@ -369,22 +371,7 @@ class HostEndpoint(Endpoint):
             key = route = None
         if route is not None:
             return route
-        work: dict[int, list] = {}
-        for i, plan in enumerate(plans):
-            for j, piece in enumerate(plan.pieces):
-                if piece.src_process == self.process:
-                    work.setdefault(piece.dst_process, []).append((i, j, piece))
-        core.check_peers(peers, work, f"send {tag!r}", "destination")
-        dests = []
-        for q, items in sorted(work.items()):
-            chunks = [(i, j, piece, sub, offset) for i, j, piece in items
-                      for sub, offset in split(piece.region, np.dtype(leaves[i].dtype).itemsize, self.cfg.chunk_bytes)]
-            if not chunks:  # nothing to send; and a stream with no chunk sends no END
-                continue
-            # Enough bytes per stream to pay for its own round trip; a small message takes one.
-            used = max(1, min(self.cfg.streams, sum(p.nbytes for _, _, p in items) // _STREAM_BYTES, len(chunks)))
-            dests.append((q, tuple(peers[q]), [stream.part(leaves, chunks[k::used]) for k in range(used)]))
-        route = Route(plans, dests, _named(peers, sorted(work)), sorted(work))
+        route = stream.route(self.process, self.cfg, leaves, plans, tag, peers)
         if key is not None:
             if len(self._routes) >= 256:  # a job's routes are a few; more is a sweep of shapes
                 self._routes.clear()
@@ -437,3 +424,11 @@ class HostEndpoint(Endpoint):
             self._posted.notify_all()
         for inbox in inboxes:  # their waiters would otherwise ping a live peer until busy_timeout_s
             inbox.fail(TransferError(f"recv {inbox.tag!r}: this endpoint was closed"))
+        # Its threads end now that their sockets are shut; one still waking as the
+        # interpreter finalizes would abort the process (docs/DESIGN.md).
+        deadline = time.monotonic() + min(self.cfg.timeout_s, CLOSE_GRACE_S)
+        with self._gate, self._pipes_lock:
+            threads = list(self._threads) + [pipe.thread for streams in self._pipes.values() for pipe in streams]
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))

@@ -21,9 +21,10 @@ import numpy as np
 from hetjax.errors import PeerLost
 from hetjax.transfer import core, wire
 from hetjax.transfer.link import TransferError, TransferTimeout
-from hetjax.transfer.plan import volume
+from hetjax.transfer.plan import split, volume
 
 _counted = threading.Lock()  # guards Handle.wire_bytes across stream threads
+_STREAM_BYTES = 1 << 20  # a message uses another stream for every MiB it holds, up to LinkConfig.streams
 
 
 class Part(typing.NamedTuple):
@@ -45,6 +46,41 @@ def part(leaves, chunks) -> Part:
         fields.append(wire.chunk_fields(len(leaves), i, j, x.shape, dtype_name(x.dtype), piece.region, offset, n))
         total += n
     return Part(chunks, fields, total <= wire.SMALL)
+
+
+class Route(typing.NamedTuple):
+    """How a message of one tree of plans goes out (see route)."""
+
+    plans: list
+    dests: list  # (destination process, its addresses, [Part, one per stream used])
+    named: str  # the destinations, named for errors
+    to: list  # the destination processes
+
+
+def route(process: int, cfg, leaves, plans, tag: str, peers) -> Route:
+    """The parts, per destination and stream, of a message of `leaves` (with their
+    `plans`) sent by `process` over a link of `cfg`."""
+    work: dict[int, list] = {}
+    for i, plan in enumerate(plans):
+        for j, piece in enumerate(plan.pieces):
+            if piece.src_process == process:
+                work.setdefault(piece.dst_process, []).append((i, j, piece))
+    core.check_peers(peers, work, f"send {tag!r}", "destination")
+    dests = []
+    for q, items in sorted(work.items()):
+        chunks = [(i, j, piece, sub, offset) for i, j, piece in items
+                  for sub, offset in split(piece.region, np.dtype(leaves[i].dtype).itemsize, cfg.chunk_bytes)]
+        if not chunks:  # nothing to send; and a stream with no chunk sends no END
+            continue
+        # Enough bytes per stream to pay for its own round trip; a small message takes one.
+        used = max(1, min(cfg.streams, sum(p.nbytes for _, _, p in items) // _STREAM_BYTES, len(chunks)))
+        dests.append((q, tuple(peers[q]), [part(leaves, chunks[k::used]) for k in range(used)]))
+    return Route(plans, dests, named(peers, sorted(work)), sorted(work))
+
+
+def named(peers, processes) -> str:
+    """'process 0 at 10.0.0.1:5000, process 1': the peers a message's description names."""
+    return ", ".join(f"process {p}" + (f" at {','.join(peers[p])}" if peers and p in peers else "") for p in processes)
 
 
 class Job(typing.NamedTuple):
@@ -73,7 +109,8 @@ class Stream:
         self.closed, self.lock = False, threading.Lock()
         self.queued = 0  # jobs put and not yet finished by the thread; 0: it leaves the socket alone
         self.current = None  # the tag of the message the thread is on
-        threading.Thread(target=self._run, daemon=True, name=f"hetjax-send-{address}").start()
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"hetjax-send-{address}")
+        self.thread.start()
 
     def put(self, job: Job) -> None:
         with self.lock:  # never behind close()'s None, where no thread would take it
