@@ -23,6 +23,7 @@ import asyncio
 import gc
 import logging
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -69,7 +70,8 @@ class Reports(logging.Handler):
                 f.write(text + "\n")
         except OSError:
             return False
-        _unkept = 0  # written again: a later failure's first report is shown again
+        with _spilling:
+            _unkept = 0  # written again: a later failure's first report is shown again
         return True
 
     def first(self) -> str | None:
@@ -109,18 +111,23 @@ def _to_reports(record: logging.LogRecord) -> bool:
 
 
 _unkept = 0  # orbax reports in a row that no file could keep
+# orbax's threads report at once: counted without a lock, two could each count itself first
+# and both reach the console (seen in CI, 2026-11-29).
+_spilling = threading.Lock()
 
 
 def _spill(takers: list[Reports]) -> bool:
     """Whether a report no file kept goes to the console: the first of a run of them does
     (it holds the cause); then one line says the rest are lost, not ~100 more tracebacks."""
     global _unkept
-    _unkept += 1
-    if _unkept == 2:
+    with _spilling:
+        _unkept += 1
+        count = _unkept
+    if count == 2:
         where = ", ".join(str(r.path) for r in takers)
         print(f"hetjax: orbax's further reports of this failure are not kept ({where} cannot be written)",
               file=sys.stderr)
-    return _unkept == 1
+    return count == 1
 
 
 def _wakes_a_closed_loop(unraisable) -> bool:

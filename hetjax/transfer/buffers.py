@@ -28,7 +28,7 @@ class BufferPool:
     PER_SIZE = 16  # buffers kept per size; beyond that a receive allocates its own
 
     def __init__(self):
-        self._held: dict[int, list[np.ndarray]] = {}
+        self._held: dict[int, list[tuple[np.ndarray, int]]] = {}  # size -> (buffer, its reference count unused)
         self._lock = threading.Lock()
 
     def take(self, shape, dtype) -> np.ndarray:
