@@ -21,7 +21,6 @@ import socket
 import threading
 import time
 
-
 from hetjax.transfer import buffers, core, link, stream, wire
 from hetjax.transfer.api import Endpoint
 from hetjax.transfer.inbox import Inbox
@@ -92,7 +91,7 @@ class HostEndpoint(Endpoint):
     def recv(self, tag, like, src, peers=None):
         expect = self.prepare_recv(tag, like, src)
         senders = sorted({p.src_process for plan in expect.plans for p in plan.received_by(self.process)})
-        handle = core.Handle(core.futures.Future(), f"recv {tag!r} from source {stream.named(peers, senders)}")
+        handle = core.Handle(core.futures.Future(), f"recv {tag!r} from source {wire.named(peers, senders)}")
         inbox = Inbox(self, tag, expect, handle)
         handle.watch(inbox.activity.idle, self.cfg.timeout_s,
                      wire.pinger(peers, senders, self._secret, HANDSHAKE_S, inbox.owing()), self.cfg.busy_timeout_s)

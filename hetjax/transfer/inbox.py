@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax.transfer import core, stream, wire
+from hetjax.transfer import core, wire
 from hetjax.transfer.api import check_leaf
 from hetjax.transfer.link import TransferError
 from hetjax.transfer.plan import extent
@@ -89,7 +89,7 @@ class Inbox:
                                 f"expects {len(avals)}; both islands must agree on the tree")
         if not 0 <= i < len(avals):
             raise TransferError(f"recv {tag!r}: peer {peer} sent leaf {i}, but the receiver expects {len(avals)} leaves")
-        if meta["shape"] != list(avals[i].shape) or meta["dtype"] != stream.dtype_name(avals[i].dtype):
+        if meta["shape"] != list(avals[i].shape) or meta["dtype"] != wire.dtype_name(avals[i].dtype):
             check_leaf(tag, i, meta["shape"], jnp.dtype(meta["dtype"]), avals[i])
         if (i, j) not in self.buffers or plans[i].wire_regions[j] != meta["region"]:
             raise TransferError(f"recv {tag!r}: peer {peer} sent piece {j} {meta['region']} of leaf {i}, which this "
@@ -108,8 +108,8 @@ class Inbox:
         i, j, offset = meta["leaf"], meta["piece"], meta["offset"]
         if wire.chunk_sum(self.endpoint.checksum, meta["leaves"], i, j, offset, payload) != meta["sum"]:
             raise TransferError(f"recv {self.tag!r}: a chunk from peer {peer} (leaf {i}, piece {j}, bytes "
-                                f"{offset}..{offset + len(payload)}) failed its {self.endpoint.cfg.checksum} check: the data "
-                                f"was corrupted")
+                                f"{offset}..{offset + len(payload)}) failed its {self.endpoint.cfg.checksum} "
+                                f"check: the data was corrupted")
 
     def claim(self, i: int, j: int, offset: int, n: int, peer) -> None:
         """Refuses bytes of a piece that already arrived: counted twice, they would finish

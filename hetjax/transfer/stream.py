@@ -9,7 +9,6 @@ still read by the stream's thread).
 
 from __future__ import annotations
 
-import functools
 import queue
 import socket
 import threading
@@ -43,7 +42,7 @@ def part(leaves, chunks) -> Part:
     for i, j, piece, sub, offset in chunks:
         x = leaves[i]
         n = volume(sub) * np.dtype(x.dtype).itemsize
-        fields.append(wire.chunk_fields(len(leaves), i, j, x.shape, dtype_name(x.dtype), piece.region, offset, n))
+        fields.append(wire.chunk_fields(len(leaves), i, j, x.shape, x.dtype, piece.region, offset, n))
         total += n
     return Part(chunks, fields, total <= wire.SMALL)
 
@@ -75,12 +74,7 @@ def route(process: int, cfg, leaves, plans, tag: str, peers) -> Route:
         # Enough bytes per stream to pay for its own round trip; a small message takes one.
         used = max(1, min(cfg.streams, sum(p.nbytes for _, _, p in items) // _STREAM_BYTES, len(chunks)))
         dests.append((q, tuple(peers[q]), [part(leaves, chunks[k::used]) for k in range(used)]))
-    return Route(plans, dests, named(peers, sorted(work)), sorted(work))
-
-
-def named(peers, processes) -> str:
-    """'process 0 at 10.0.0.1:5000, process 1': the peers a message's description names."""
-    return ", ".join(f"process {p}" + (f" at {','.join(peers[p])}" if peers and p in peers else "") for p in processes)
+    return Route(plans, dests, wire.named(peers, sorted(work)), sorted(work))
 
 
 class Job(typing.NamedTuple):
@@ -246,12 +240,6 @@ def _payload(data) -> memoryview:
 def _sum(job: Job, k: int, payload: memoryview, endpoint) -> int:
     i, j, _, _, offset = job.part.chunks[k]
     return wire.chunk_sum(endpoint.checksum, len(job.leaves), i, j, offset, payload)
-
-
-@functools.cache
-def dtype_name(dtype) -> str:
-    """The dtype's name, as a chunk header gives it."""
-    return np.dtype(dtype).name  # numpy works the name out anew at each call: 4 us a chunk
 
 
 def _host_chunk(job: Job, k: int, endpoint):

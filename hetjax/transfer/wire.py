@@ -8,6 +8,7 @@ control channel (probe.py) speaks the same frames with a kind of its own.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -18,6 +19,7 @@ import struct
 import time
 import zlib
 
+import numpy as np
 import xxhash
 
 from hetjax.errors import PeerLost  # noqa: F401 - raised here, caught by callers
@@ -95,11 +97,17 @@ def _frame(kind: int, header: str) -> bytes:
     return FRAME.pack(MAGIC, kind, len(head)) + head
 
 
-def chunk_fields(leaves: int, leaf: int, piece: int, shape, dtype: str, region, offset: int, n: int) -> str:
+def chunk_fields(leaves: int, leaf: int, piece: int, shape, dtype, region, offset: int, n: int) -> str:
     """A chunk header's fields but its checksum, as JSON text: the same in every message
     of a route (a step sends the same arrays each time), so written once, not per chunk."""
-    return json.dumps({"leaves": leaves, "leaf": leaf, "piece": piece, "shape": list(shape), "dtype": dtype,
+    return json.dumps({"leaves": leaves, "leaf": leaf, "piece": piece, "shape": list(shape), "dtype": dtype_name(dtype),
                        "region": [list(r) for r in region], "offset": offset, "n": n})[1:-1]
+
+
+@functools.cache
+def dtype_name(dtype) -> str:
+    """The dtype's name, as a chunk header gives it."""
+    return np.dtype(dtype).name  # numpy works the name out anew at each call: 4 us a chunk
 
 
 def chunk_frame(tag: str, fields: str, checksum: int) -> bytes:
@@ -184,6 +192,11 @@ def ping(address: str, secret: bytes, timeout_s: float) -> tuple[str | None, str
         return None, str(e)
     finally:
         sock.close()
+
+
+def named(peers, processes) -> str:
+    """'process 0 at 10.0.0.1:5000, process 1': the peers a message's description names."""
+    return ", ".join(f"process {p}" + (f" at {','.join(peers[p])}" if peers and p in peers else "") for p in processes)
 
 
 def pinger(peers, processes, secret: bytes, timeout_s: float, pending=None):
