@@ -31,3 +31,43 @@ def pytest_collection_finish(session):
     # A module that set XLA_FLAGS when imported would change what every later test's
     # processes compile (tests/transfer_peer.py once did).
     assert os.environ["XLA_FLAGS"] == flags, f"a test module changed XLA_FLAGS to {os.environ['XLA_FLAGS']!r}"
+
+
+# The suite is bound by its two cores, not by waiting: a test's CPU time (its own
+# threads and the processes it started and waited for) is what it costs the suite's
+# wall time, more than its --durations figure does.
+def _cpu_seconds():
+    import resource
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _count_cpu(item):
+    start = _cpu_seconds()
+    yield
+    props = dict(item.user_properties)
+    item.user_properties[:] = [(k, v) for k, v in item.user_properties if k != "cpu_s"]
+    item.user_properties.append(("cpu_s", props.get("cpu_s", 0.0) + _cpu_seconds() - start))
+
+
+import pytest  # noqa: E402
+
+pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_count_cpu)
+pytest_runtest_call = pytest.hookimpl(wrapper=True)(_count_cpu)
+pytest_runtest_teardown = pytest.hookimpl(wrapper=True)(_count_cpu)
+_cpu_by_test = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        _cpu_by_test[report.nodeid] = dict(report.user_properties).get("cpu_s", 0.0)
+
+
+@pytest.hookimpl(trylast=True)  # below --durations
+def pytest_terminal_summary(terminalreporter):
+    if not _cpu_by_test:
+        return
+    total = sum(_cpu_by_test.values())
+    terminalreporter.write_sep("=", f"most CPU time (of {total:.0f} s in all tests)")
+    for nodeid, cpu in sorted(_cpu_by_test.items(), key=lambda kv: -kv[1])[:30]:
+        terminalreporter.write_line(f"{cpu:7.1f}s cpu  {nodeid}")
