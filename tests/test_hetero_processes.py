@@ -209,18 +209,23 @@ def test_a_gpu_island_whose_process_finds_only_a_cpu_is_refused_by_name(tmp_path
 
 
 def test_an_island_still_busy_is_waited_for_not_reported_lost(tmp_path, capsys):
-    """One island holds 23 layers, the other one: compiling (and everything after it up to
-    the first step) takes them seconds apart, far past the link's 1 s timeout_s. The
-    island that is ahead waits; its peer answers the pings, naming what it does (usually
-    "compiling"; under a loaded machine the faster compiler can be the slower one at the
-    next phase), so it is busy, not lost: the job trains. (It used to end with a message
-    refused and a peer reported lost, as a CUDA island would when a ROCm one compiles a
-    minute longer under the default 60 s.)"""
+    """One island holds 47 layers, the other one, and gpipe over 2 micro-batches of 16
+    rows: the island holding one layer sends both forwards, then waits for the first
+    gradient while its peer runs 47 layers forward twice and backward once, past the
+    link's 1 s timeout_s in every step (and usually also while the peer compiles). Its
+    peer answers the pings, naming what it does ("step N", "compiling"), so it is busy,
+    not lost: the job trains. (It used to end with a message refused and a peer reported
+    lost, as a CUDA island would when a ROCm one compiles a minute longer under the
+    default 60 s.) The test used to count on the compile times alone (23 layers, 4
+    micro-batches): under CI's load the islands sometimes finished compiling less than a
+    second apart, and no wait was logged. A wait on the peer's own work only gets longer
+    under load: 6 runs of 6 logged waits in both steps, 3 of them beside a busy core."""
     run_dir = tmp_path / "uneven"
     code = local.main(["--config", "configs/tiny_hetero.py", "--stand_in", "cpu", "--config.steps=2",
                        "--config.eval_every=0", "--config.log_every=1", f"--config.run_dir={run_dir}",
-                       "--config.hetero.link.timeout_s=1", "--config.model.num_layers=24",
-                       "--config.hetero.island_layers=(1,23)"])
+                       "--config.hetero.link.timeout_s=1", "--config.model.num_layers=48",
+                       "--config.hetero.island_layers=(1,47)", "--config.pipeline.schedule=gpipe",
+                       "--config.pipeline.microbatches=2", "--config.batch_size=32"])
     text = capsys.readouterr().out
     assert code == 0, text[-3000:]
     waits = re.findall(r"\[(cuda|rocm):0\] .*(?:recv|send) '(?:rocm>cuda|cuda>rocm)/[^']*' (?:from|to) \w+ process 0 "
