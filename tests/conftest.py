@@ -13,9 +13,12 @@ without it compiles with its defaults.
 """
 
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hetjax.compile.backend import with_cpu_device_count  # noqa: E402 - imports no jax
@@ -47,20 +50,20 @@ def pytest_collection_finish(session):
 # threads and the processes it started and waited for) is what it costs the suite's
 # wall time, more than its --durations figure does.
 def _cpu_seconds():
-    import resource
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _count_cpu(item):
+    """Adds a test phase's CPU seconds to the test's (a user property: xdist's workers
+    send it to the process that prints the summary)."""
     start = _cpu_seconds()
-    yield
-    props = dict(item.user_properties)
-    item.user_properties[:] = [(k, v) for k, v in item.user_properties if k != "cpu_s"]
-    item.user_properties.append(("cpu_s", props.get("cpu_s", 0.0) + _cpu_seconds() - start))
+    try:
+        return (yield)
+    finally:
+        spent = dict(item.user_properties).get("cpu_s", 0.0) + _cpu_seconds() - start
+        item.user_properties[:] = [(k, v) for k, v in item.user_properties if k != "cpu_s"] + [("cpu_s", spent)]
 
-
-import pytest  # noqa: E402
 
 pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_count_cpu)
 pytest_runtest_call = pytest.hookimpl(wrapper=True)(_count_cpu)
