@@ -5,13 +5,11 @@ this process and in every process a test starts. So the suite compiles at XLA's 
 (LLVM) optimisation level 0, which halves XLA:CPU's compile times, and with XLA:CPU's
 older (elemental) fusion emitters, which halve them again: the tiny config's train step
 compiled in 2.6-3.6 s against 4.7-6.3 s with the new emitters, alternating, 5 runs each.
-And its code goes to LLVM as one module, not split for threads that two busy cores do not
-have: 2.35-2.74 s against 2.86-3.64 s, alternating, 3 runs each. All three change float
-results in their last bits: a test that starts processes passes them
+Both change float results in their last bits: a test that starts processes passes them
 these XLA_FLAGS (launch.local keeps them), so that what it compares bit for bit is
 compiled alike. Training runs and the benchmarks keep XLA's defaults. XLA aborts on a
-flag it does not know, so the last two flags are first tried in a child process: a jaxlib
-without them compiles with its defaults.
+flag it does not know, so the emitters' flag is first tried in a child process: a jaxlib
+without it compiles with its defaults.
 """
 
 import os
@@ -29,7 +27,7 @@ from hetjax.compile.backend import with_cpu_device_count  # noqa: E402 - imports
 flags = with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), 8)
 if "--xla_backend_optimization_level" not in flags:  # a level of the caller's own stands
     flags += " --xla_backend_optimization_level=0"
-EMITTERS = "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 if "--xla_cpu_use_fusion_emitters" not in flags and subprocess.run(
         [sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
         env={**os.environ, "XLA_FLAGS": f"{flags} {EMITTERS}", "JAX_PLATFORMS": "cpu"}).returncode == 0:

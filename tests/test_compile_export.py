@@ -53,12 +53,10 @@ def test_export_for_gpus_writes_a_manifest_that_round_trips(tmp_path):
 
 
 def test_cpu_artifact_matches_the_jitted_step_bit_for_bit(tmp_path):
-    """In a child compiled with XLA:CPU's own fusion emitters and code splitting, as a user's
-    run is. With the suite's faster elemental ones (tests/conftest.py) the artifact's program
-    and the jitted one fuse differently and their gradients differ in the last bits (747 of
-    1024)."""
-    suite_only = ("--xla_cpu_use_fusion_emitters", "--xla_cpu_parallel_codegen_split_count")
-    flags = " ".join(f for f in os.environ["XLA_FLAGS"].split() if f.split("=")[0] not in suite_only)
+    """In a child compiled with XLA:CPU's own fusion emitters, as a user's run is. With the
+    suite's faster elemental ones (tests/conftest.py) the artifact's program and the jitted
+    one fuse differently and their gradients differ in the last bits (747 of 1024)."""
+    flags = " ".join(f for f in os.environ["XLA_FLAGS"].split() if not f.startswith("--xla_cpu_use_fusion_emitters"))
     child = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=300,
                            env=dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=str(Path(__file__).parent.parent)))
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
