@@ -155,6 +155,26 @@ def _tb_events(path):
     return out
 
 
+def test_every_scalar_of_a_step_reaches_tensorboard_in_one_event(tmp_path):
+    """A step's scalars go as one event (an event per scalar cost 2.3 ms a step on the
+    loop's thread); each series still reads back value for value, names cleaned as
+    tensorboardX's own add_scalar cleans them."""
+    from tensorboardX.summary import scalar
+    from hetjax.metrics import Writer
+    written = {s: {"loss": 4.0 - s, "cuda/step_time": 0.05 + s, "grad norm": 2.0 * s} for s in range(3)}
+    writer = Writer(tmp_path, 3, tensorboard=True)
+    for s, scalars in written.items():
+        writer.write(s, scalars)
+    writer.close()
+    (events,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    steps = [e for e in _tb_events(events) if e.HasField("summary")]
+    assert [e.step for e in steps] == [0, 1, 2]
+    for e in steps:
+        want = {scalar(k, v).value[0].tag: pytest.approx(v) for k, v in written[e.step].items()}
+        assert {v.tag: v.simple_value for v in e.summary.value} == want
+    assert "grad_norm" in {v.tag for v in steps[0].summary.value}  # the space cleaned
+
+
 def test_a_resumed_run_tells_tensorboard_to_drop_the_steps_it_runs_again(tmp_path):
     """metrics.jsonl is truncated at the resume step; TensorBoard showed steps run twice."""
     from hetjax.metrics import Writer
