@@ -119,8 +119,19 @@ class PipelineStage:
                                     P, out_shardings=(params_sh, replicated), name="zeros")
         self.count = island.compile(lambda b: jnp.sum(b["loss_mask"].astype(jnp.float32)), B,
                                     out_shardings=replicated, name="count")
-        mask = island_lib.owned(island.abstract.params, k, n, self.tied)
-        self.sumsq = island.compile(lambda g: sum_of_squares(g, mask), P, out_shardings=replicated, name="sumsq")
+        mask, last = island_lib.owned(island.abstract.params, k, n, self.tied), island.last
+
+        def totals(grads, loss, batch, stop):
+            """What this island adds to the job's totals, as one f32[4] (the loss and token
+            count are the last island's; the squared norm is over the leaves it owns). One
+            program: stacked eagerly, the four took 0.8 ms of dispatch a step."""
+            if not last:
+                loss = count = jnp.zeros((), jnp.float32)
+            else:
+                count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+            return jnp.stack([loss, count, sum_of_squares(grads, mask), stop])
+        self.totals = island.compile(totals, P, scalar, B, scalar, out_shardings=replicated, name="totals")
+        self.stop_flags = [island.put(np.float32(flag)) for flag in (0, 1)]
         self.apply = island.compile(make_apply(cfg, island.tx), aot.abstract(island.abstract, island.shardings),
                                     P, island.like((3,), jnp.float32), donate_argnums=0,
                                     out_shardings=(island.shardings, replicated), name="apply")
@@ -189,12 +200,10 @@ class PipelineStage:
         grads, loss = self._run(state.params, batch, what, self.ops, train=True)
         if self.shared:
             grads = self._add_shared(grads, what)
-        count = self.count(batch)
         # Every island needs the same totals: the loss is the last island's, the squared
         # norm a sum over islands of the leaves each one owns.
-        mine = [loss if isl.last else 0.0, count if isl.last else 0.0, self.sumsq(grads), float(stop)]
-        totals, table = self.links.totals(jnp.stack([jnp.asarray(v, jnp.float32) for v in mine]),
-                                          f"{what}/totals", isl.mesh)
+        mine = self.totals(grads, loss, batch, self.stop_flags[bool(stop)])
+        totals, table = self.links.totals(mine, f"{what}/totals", isl.mesh)
         state, metrics = self.apply(state, grads, isl.put(totals[:3].astype(np.float32)))
         return state, metrics, table[:, 3]
 
