@@ -64,9 +64,9 @@ class Job(Protocol):
     def digest_batch(self, step: int, batch: Any) -> None:
         """Starts the digest of step `step`'s global batch (hetjax.repro)."""
 
-    def batch_digest(self, step: int) -> int:
+    def batch_digest(self, step: int) -> int | None:
         """The digest started by digest_batch(step), completed (islands may wait for a
-        peer's share of it)."""
+        peer's share of it); None in a process that does not write the fingerprints."""
 
     def param_fingerprint(self, state: Any) -> repro.ParamFingerprint:
         """The whole model's parameter fingerprint, independent of layout."""
@@ -208,8 +208,9 @@ class MeshJob:
     def digest_batch(self, step: int, batch) -> None:
         self._batch_words[step] = repro.batch_words(batch)
 
-    def batch_digest(self, step: int) -> int:
-        return repro.combine_rows(self._batch_words.pop(step))
+    def batch_digest(self, step: int) -> int | None:
+        words = self._batch_words.pop(step)  # every process ran the hashing program (it spans them)
+        return repro.combine_rows(words) if jax.process_index() == 0 else None  # the Recorder's writer
 
     def param_fingerprint(self, state) -> repro.ParamFingerprint:
         return repro.param_fingerprint(state.params, layout=None if self.plan is None else self.plan.layout)

@@ -136,6 +136,18 @@ def test_batch_digest_is_exact_for_any_sharding_and_adds_over_rows():
         mesh, cfg.sharding.rules)).items()}) != digest
 
 
+def test_batch_digest_is_the_sum_of_its_rows_part_hashes():
+    """combine_rows spells part_hash out for speed; its value stays the definition's:
+    the sum mod 2**64 of part_hash("row", global row, field, the row's 16 hex digits)."""
+    rng = np.random.default_rng(3)
+    words = {k: rng.integers(0, 2**32, size=(6, 2), dtype=np.uint32) for k in ("targets", "inputs", "loss_mask")}
+    for rows in (None, 7, np.array([9, 2, 40, 3, 5, 11])):
+        at = np.arange(6) + (rows or 0) if rows is None or np.isscalar(rows) else rows
+        want = sum(fp.part_hash("row", int(r), k, fp.words_hex(words[k][i]))
+                   for k in words for i, r in enumerate(at)) % 2**64
+        assert fp.combine_rows(words, rows) == want
+
+
 def test_layouts_are_parsed_and_bad_ones_refused():
     parsed = check.parse("fsdp=8; fsdp=2,tensor=4; pipeline=2; pipeline=2,virtual_stages=2")
     lays = [check.layout(n, s, CFG, 8) for n, s in parsed]

@@ -90,6 +90,8 @@ class Recorder:
         """Writes step `step`'s loss, gradient norm (values: host scalars) and batch digest:
         `batch_digest` if given (e.g. the sum of the islands' parts), else that of `batch()`."""
         words = self.pending.pop(step, None)
+        if self.file is None:  # not the writing process: nothing to hash
+            return
         if batch_digest is None:
             batch_digest = fp.combine_rows(words)
         self._write({"kind": "step", "step": step, "loss": float(values["loss"]),
