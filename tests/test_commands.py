@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.helps import help_texts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,12 +35,8 @@ def run(module, *args, blocked="", timeout=300):
 
 
 def test_every_command_answers_help_with_an_example():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    procs = {m: subprocess.Popen([sys.executable, "-m", m, "--help"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env) for m in COMMANDS}
-    for module, p in procs.items():
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, (module, out[-2000:])
+    for module, (code, out) in help_texts(COMMANDS).items():
+        assert code == 0, (module, out[-2000:])
         # an example: the command with an argument, on a line other than argparse's usage
         examples = [line for line in out.splitlines() if f"python -m {module} -" in line
                     or f"python -m {module} " in line and not line.startswith("usage:")]

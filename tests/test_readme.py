@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+from tests.helps import help_texts
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,19 +36,13 @@ def test_every_readme_command_names_a_module_options_and_config_keys_that_exist(
     # A doc check: each command's module runs, each --option it shows is in the module's
     # --help, and its --config with its --config.KEY=VALUE overrides loads (unknown keys fail).
     import importlib.util
-    import os
-    import subprocess
-    import sys
     from hetjax import config as config_lib
     commands = readme_commands()
     assert len(commands) > 20, commands
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     modules = sorted({m for m, _ in commands})
     for m in modules:
         assert importlib.util.find_spec(m) is not None, m
-    procs = {m: subprocess.Popen([sys.executable, "-m", m, "--help"], stdout=subprocess.PIPE, text=True,
-                                 stderr=subprocess.STDOUT, cwd=ROOT, env=env) for m in modules}
-    helps = {m: p.communicate(timeout=300)[0].replace("-", "_") for m, p in procs.items()}
+    helps = {m: out.replace("-", "_") for m, (_, out) in help_texts(modules).items()}
     for module, args in commands:
         options = [a.split("=")[0] for a in args if a.startswith("--") and not a.startswith("--config.")]
         for option in options:
