@@ -480,6 +480,35 @@ def test_a_failed_send_holds_its_tag_until_its_last_part_is_off_the_streams():
         a.close(), b.close()
 
 
+def test_a_message_cut_off_between_chunks_fails_its_receive_at_once(monkeypatch):
+    """The sender's stream ends between two chunks of a message (its send failed there):
+    the receive fails then, naming the peer, not after waiting out its timeouts."""
+    from hetjax.transfer import stream
+    real = stream._host_chunk
+
+    def failing(job, k, endpoint):
+        if job.tag == "cut" and k == 2:
+            raise RuntimeError("the copy off the device failed")
+        return real(job, k, endpoint)
+    monkeypatch.setattr(stream, "_host_chunk", failing)
+    a, b = endpoints("host", timeout_s=20, busy_timeout_s=60, chunk_bytes=1 << 20, streams=1)
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))
+    x = random_array((1024, 1024), "float32", 4, sh)  # 4 MiB: 4 chunks of 1 MiB
+    like = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    try:
+        r = b.recv("cut", like, sh, peers={0: a.addresses})
+        with pytest.raises(RuntimeError, match="the copy off the device failed"):
+            a.send(x, "cut", sh, peers={0: b.addresses}).wait()
+        start = time.monotonic()
+        with pytest.raises(TransferTimeout, match="closed its stream in the middle of the message"):
+            r.wait()
+        assert time.monotonic() - start < 10  # not timeout_s (20 s) nor busy_timeout_s (60 s)
+        out, _, _ = move(a, b, x, sh, "after")
+        np.testing.assert_array_equal(bits(out), bits(x))
+    finally:
+        a.close(), b.close()
+
+
 def test_a_timed_out_receive_is_withdrawn_and_its_tag_can_be_posted_again():
     a, b = endpoints("host", timeout_s=0.5, busy_timeout_s=0.5)
     sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))
@@ -573,6 +602,25 @@ def test_complex_arrays_are_refused_naming_the_leaf():
             a.send({"w": z}, "z", sh, peers={0: b.addresses})
         with pytest.raises(TransferError, match="recv 'z': leaf 0 is complex64"):
             b.recv("z", jax.ShapeDtypeStruct(z.shape, z.dtype, sharding=sh), sh)
+    finally:
+        a.close(), b.close()
+
+
+@pytest.mark.parametrize("backend", ["local", "host", "direct"])
+def test_a_deleted_or_donated_array_is_refused_naming_the_leaf_and_the_link_still_works(backend):
+    # Asked whether a deleted array is ready, jax 0.10 ends the process (a segfault): a
+    # host stream that is connected and idle asks that before writing a small message.
+    a, b = endpoints(backend)
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))
+    x = jax.device_put(jnp.arange(8.0), sh)
+    try:
+        move(a, b, {"x": x}, {"x": sh}, tag="first")  # the stream is now connected and idle
+        gone = jax.device_put(jnp.ones(8), sh)
+        gone.delete()
+        with pytest.raises(TransferError, match="send 'second': leaf 1 was deleted, or donated"):
+            a.send([x, gone], "second", sh, peers={0: b.addresses})
+        out, _, _ = move(a, b, {"x": x}, {"x": sh}, tag="third")
+        assert np.array_equal(np.asarray(out["x"]), np.arange(8.0))
     finally:
         a.close(), b.close()
 

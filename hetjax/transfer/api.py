@@ -77,6 +77,10 @@ class Endpoint:
                 raise TransferError(
                     f"send {tag!r}: leaf {i} is a {type(x).__name__} with sharding "
                     f"{getattr(x, 'sharding', None)}; send jax.Arrays with a NamedSharding")
+            if x.is_deleted():  # asked whether it is ready, jax 0.10 crashes the process
+                raise TransferError(
+                    f"send {tag!r}: leaf {i} was deleted, or donated to a jitted call, before it was sent; "
+                    f"send an array that is still alive (the sender keeps it until the send is done)")
             _check_dtype(f"send {tag!r}", i, x.dtype)
         dst_layouts = core.layouts(dst)
         src_layouts = [Layout.of(x.sharding) for x in leaves]

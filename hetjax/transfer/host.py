@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 
+from hetjax.errors import PeerLost
 from hetjax.transfer import buffers, core, link, stream, wire
 from hetjax.transfer.api import Endpoint
 from hetjax.transfer.inbox import Inbox
@@ -219,7 +220,11 @@ class HostEndpoint(Endpoint):
                 try:
                     kind, meta = wire.read_frame(conn, peer, idle_ok=True, timeout_s=self.cfg.timeout_s)
                 except EOFError:
-                    return
+                    if began is None:
+                        return
+                    inbox = began[1]  # the rest of its message cannot come: fail it now, not at busy_timeout_s
+                    raise PeerLost(f"recv {began[0]!r}: peer {peer} closed its stream in the middle of the message "
+                                   f"(its send failed, or it was stopped)") from None
                 if kind == wire.PING:
                     wire.send_frame(conn, wire.PONG, {"status": self.status}, peer)
                     continue
