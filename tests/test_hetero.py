@@ -378,6 +378,23 @@ def test_an_island_ahead_never_deletes_the_last_step_a_lagging_island_holds(tmp_
         job.close()
 
 
+def test_a_checkpoint_of_islands_in_another_order_is_refused():
+    """Each island's part of a checkpoint is kept under its name: three islands put in
+    another order would each restore layers they no longer hold, with the same shapes."""
+    from hetjax.config import to_dict
+    from hetjax.hetero.checkpoints import check_placement
+
+    def islands(*names):
+        return dataclasses.replace(cfg, hetero=HeteroConfig(islands=tuple(
+            IslandConfig(name=n, devices_per_process=2, mesh=MeshConfig(fsdp=2)) for n in names)))
+    cfg = load("tiny.py")
+    saved = json.loads(json.dumps(to_dict(islands("a", "b", "c"))))  # as the checkpoint keeps it
+    check_placement(islands("a", "b", "c"), saved, "step 2")  # the same order is taken
+    with pytest.raises(ConfigError, match=r"step 2 was written with config.hetero.islands \(their order\)="
+                                          r"\['a', 'b', 'c'\] but this config has \['a', 'c', 'b'\]"):
+        check_placement(islands("a", "c", "b"), saved, "step 2")
+
+
 def test_a_resume_under_another_layer_split_is_refused_before_compiling(tmp_path, monkeypatch):
     """The split follows the islands' speeds (or auto_split's measurement, taken at each
     start): a step saved as 2 + 2 layers, resumed as 3 + 1, used to fail only once every

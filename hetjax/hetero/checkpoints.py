@@ -162,6 +162,10 @@ def check_placement(cfg, saved: dict | None, where: str) -> None:
     for field, was, now in (
             ("config.hetero.placement", theirs.get("placement", "pipeline"), h.placement),
             ("config.hetero.islands (their number)", len(theirs.get("islands", ())), len(h.islands)),
+            # Each island's part is kept under its name: islands put in another order would each
+            # restore layers they no longer hold (middle islands' parts have the same shapes).
+            ("config.hetero.islands (their order)", [i.get("name") for i in theirs.get("islands", ())],
+             [i.name for i in h.islands]),
             ("config.pipeline.virtual_stages", saved.get("pipeline", {}).get("virtual_stages", 1),
              cfg.pipeline.virtual_stages)):
         if was != now:

@@ -205,9 +205,10 @@ class IslandsJob:
         layers = [()] * n  # the layers each island holds (pipeline placement)
         if h.placement == "pipeline":
             speeds = None
-            if h.auto_split:
+            if h.auto_split:  # rank 0's time: each process of an island measures its own
                 times = self._run(local, lambda k: links[k].gather(
-                    np.asarray([seconds_per_layer(cfg, meshes[k])], np.float32), "profile", meshes[k]))[0]
+                    np.asarray([island_agreed(seconds_per_layer(cfg, meshes[k]))], np.float32), "profile",
+                    meshes[k]))[0]
                 speeds = placement.balance(times[:, 0].tolist())
                 log("auto_split: seconds per layer " + ", ".join(
                     f"{i.name} {t:.4g}" for i, t in zip(h.islands, times[:, 0])))
