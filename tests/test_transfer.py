@@ -196,6 +196,22 @@ def test_wrong_secret_is_refused_and_logged(monkeypatch, caplog):
     a.close(), b.close()
 
 
+def test_a_refused_handshake_closes_its_socket():
+    # A send's handle keeps its error, and the error's traceback the frames that held the
+    # socket: a refused connection left it open for as long as the handle lived.
+    b = open_endpoint(LinkConfig(timeout_s=5))
+    try:
+        with pytest.raises(TransferError, match="the shared secrets differ") as raised:
+            wire.connect(b.addresses[0], b"another-secret-of-sufficient-size", 5)
+        tb, socks = raised.value.__traceback__, []
+        while tb is not None:
+            socks += [v for v in tb.tb_frame.f_locals.values() if isinstance(v, socket.socket)]
+            tb = tb.tb_next
+        assert socks and all(s.fileno() == -1 for s in socks)  # found, and closed
+    finally:
+        b.close()
+
+
 def _corrupting_proxy(upstream: str, flip_at: int) -> str:
     """A TCP proxy that flips one bit of the client->server byte stream at flip_at."""
     listener = socket.create_server(("127.0.0.1", 0))

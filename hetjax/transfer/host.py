@@ -280,7 +280,10 @@ class HostEndpoint(Endpoint):
         with self._posted:
             while tag not in self._inboxes:
                 left = deadline - time.monotonic()
-                if left <= 0 or self._closing:
+                if self._closing:
+                    raise TransferError(f"peer {peer} sent tag {tag!r}, but no receive for it was posted before "
+                                        f"this endpoint began to close; message refused")
+                if left <= 0:
                     raise TransferError(f"peer {peer} sent tag {tag!r}, but no receive for it was posted "
                                         f"within {self.cfg.busy_timeout_s:g} s (LinkConfig.busy_timeout_s); "
                                         f"message refused")

@@ -171,6 +171,8 @@ class Stream:
                 if not written:
                     if self.sock is None:
                         self.sock = self.endpoint.connect(self.address)
+                        if self.closed:  # close() came while it connected, and found no socket to shut
+                            raise TransferError(f"send {job.tag!r}: the endpoint is closed")
                     self._write(job)
                 self._acknowledged(job)
             except BaseException as e:  # noqa: BLE001 - handed to the message's handle

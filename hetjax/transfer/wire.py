@@ -239,13 +239,17 @@ def connect(address: str, secret: bytes, timeout_s: float, retry: bool = True) -
 
     sock, challenge = link.retry(attempt, timeout_s if retry else 0.0, 0.05, lambda e: TransferTimeout(
         f"peer {address} did not accept a connection within {timeout_s:g} s ({e})"))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    nonce = os.urandom(32)
-    sock.sendall(nonce + _mac(secret, b"client", challenge))
-    try:
-        proof = recv_exact(sock, 32, address)
-    except PeerLost:
-        raise TransferError(f"peer {address} refused the connection: the shared secrets differ") from None
-    if not hmac.compare_digest(proof, _mac(secret, b"server", nonce)):
-        raise TransferError(f"peer {address} did not prove the job's shared secret; not sending to it")
+    try:  # a failed handshake closes the socket: the error kept in a send's handle must not hold it
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = os.urandom(32)
+        sock.sendall(nonce + _mac(secret, b"client", challenge))
+        try:
+            proof = recv_exact(sock, 32, address)
+        except PeerLost:
+            raise TransferError(f"peer {address} refused the connection: the shared secrets differ") from None
+        if not hmac.compare_digest(proof, _mac(secret, b"server", nonce)):
+            raise TransferError(f"peer {address} did not prove the job's shared secret; not sending to it")
+    except BaseException:
+        sock.close()
+        raise
     return sock
