@@ -286,6 +286,29 @@ def test_wrong_shape_dtype_or_tag_is_refused():
     a.close(), b.close()
 
 
+def test_a_large_message_refused_at_its_first_chunk_reports_why_however_long_the_rest_takes(monkeypatch):
+    """The receiver refuses a large message at its first chunk and drains the rest only for
+    a while (here 1 s). The sender, whose chunks come slowly (0.1 s each, 16 of them),
+    used to find the connection reset and report a lost peer, without the reason."""
+    from hetjax.transfer import stream
+    real = stream._host_chunk
+
+    def slow(job, k, endpoint):
+        time.sleep(0.1)
+        return real(job, k, endpoint)
+    monkeypatch.setattr(stream, "_host_chunk", slow)
+    a = open_endpoint(LinkConfig(backend="host", timeout_s=20, streams=1, chunk_bytes=1 << 20))
+    b = open_endpoint(LinkConfig(backend="host", timeout_s=1, busy_timeout_s=1))
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P())
+    x = random_array((4096, 1024), "float32", 6, sh)  # 16 MiB
+    try:
+        b.recv("t", jax.ShapeDtypeStruct(x.shape, jnp.int32, sharding=sh), sh, peers={0: a.addresses})
+        with pytest.raises(TransferError, match="refused the message: .*arrived as float32"):
+            a.send(x, "t", sh, peers={0: b.addresses}).wait()
+    finally:
+        a.close(), b.close()
+
+
 @pytest.mark.parametrize("backend", ["local", "host", "direct"])
 def test_a_receive_posted_early_is_timed_from_its_wait_not_its_post(backend):
     """A pipeline posts a step's receives when the step starts and waits for the last ones

@@ -10,6 +10,7 @@ still read by the stream's thread).
 from __future__ import annotations
 
 import queue
+import select
 import socket
 import threading
 import time
@@ -211,6 +212,7 @@ class Stream:
             if payload.nbytes <= wire.SMALL and sum(map(len, pending)) <= wire.SMALL:
                 pending += [frame, payload.tobytes()]
             else:
+                self._refused(job)
                 wire.sendall(sock, b"".join(pending) + frame, address)
                 wire.sendall(sock, payload, address)
                 pending = []
@@ -219,6 +221,18 @@ class Stream:
         # With TCP_NODELAY every write is a packet and a wake-up of the receiver: the last
         # small chunks and END go in one.
         wire.sendall(sock, b"".join(pending) + wire.frame(wire.END, {"tag": tag}), address)
+
+    def _refused(self, job: Job) -> None:
+        """Raises the receiver's refusal when one waits: a receiver writes nothing else while a
+        message comes in. Read only at the end, a refusal was lost when the rest of a large
+        message took longer to write than the receiver drains it for (then it closes, and
+        the sender saw a lost peer)."""
+        try:  # (a socket with a timeout waits in recv even with MSG_DONTWAIT: select first)
+            waiting = select.select([self.sock], [], [], 0)[0] and self.sock.recv(1, socket.MSG_PEEK)
+        except OSError:  # the next write names the loss
+            return
+        if waiting:
+            self._acknowledged(job)  # a REFUSE frame: raises its reason
 
     def _acknowledged(self, job: Job) -> None:
         """Waits for the receiver's ACK: it verified every chunk of the job."""
