@@ -15,12 +15,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hetjax import cli
 from hetjax import state as state_lib
 from hetjax.compile import hardware
-from hetjax.errors import ConfigError
+from hetjax.errors import ConfigError, TrainingDiverged
 
 # Dense bf16 peak per device, FLOP/s, from the vendors' data sheets (hetjax.compile.hardware).
 PEAK_FLOPS = {name: hw.peak_flops for name, hw in hardware.TABLE.items()}
@@ -203,7 +204,7 @@ class Writer:
         self.tb = None
         if tensorboard:
             SummaryWriter = summary_writer()
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step or None)
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step)  # 0 too: a rerun from scratch
             from tensorboardX.proto.summary_pb2 import Summary  # after summary_writer(): no torch
             from tensorboardX.summary import scalar
             self._summary, self._tags = (Summary, scalar), {}
@@ -256,6 +257,18 @@ class Writer:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.close(failed)
+
+
+def check_finite(values: dict, s: int, last_finite: int) -> None:
+    """Raises TrainingDiverged when step s's loss or gradient norm is not finite. A gradient
+    norm that is not finite makes the update, and so the state after step s, not finite:
+    caught here, before the save that follows step s (which reads these metrics first)."""
+    for key, what in (("loss", "the loss"), ("grad_norm", "the gradient norm (so the parameters after it are not)")):
+        if not np.isfinite(values[key]):
+            raise TrainingDiverged(
+                f"{what} is {values[key]} at step {s}; the last finite loss was at step {last_finite}, "
+                f"so training diverged in steps {last_finite + 1}..{s}. Lower config.optim.learning_rate "
+                f"or config.optim.grad_clip_norm")
 
 
 def truncate(run_dir: Path, start: int, name: str = "metrics.jsonl") -> None:

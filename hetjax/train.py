@@ -14,7 +14,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 
 from hetjax import checkpoint, checkpoint_init
 from hetjax import cli as cli_lib  # `cli` below is the console script's entry point
@@ -25,7 +24,6 @@ from hetjax.hetero import job as hetero_job, runtime
 from hetjax import job as job_lib
 from hetjax.job import Job, MeshJob
 from hetjax.profiler import Profiler
-from hetjax.errors import TrainingDiverged
 
 
 PREEMPTED = stop_lib.PREEMPTED  # exit status after SIGTERM (130 after Ctrl-C)
@@ -96,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             job.close()
         signals.close()
         raise
-    last_finite, clock = -1, metrics.StepClock()
+    last_finite, clock = start - 1, metrics.StepClock()
     # MaxText's count (causal attention halved, matmul weights only) beside the PaLM one.
     maxtext_flops = metrics.maxtext_flops_per_token(cfg) * cfg.batch_size * cfg.seq_len
     data_waits: dict[int, float] = {}  # step -> seconds the loop waited for its batch
@@ -105,11 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal last_finite
         values = jax.device_get(step_metrics)
         step_time = clock.seconds(s)
-        if not np.isfinite(values["loss"]):
-            raise TrainingDiverged(
-                f"loss is {values['loss']} at step {s}; the last finite loss was at step "
-                f"{last_finite}, so training diverged in steps {last_finite + 1}..{s}. "
-                f"Lower config.optim.learning_rate or config.optim.grad_clip_norm")
+        metrics.check_finite(values, s, last_finite)
         last_finite = s
         # tokens_per_sec counts every position of the batch, as the MFUs' FLOPs do;
         # loss_tokens_per_sec only those the loss reads (`tokens`: the loss mask's sum).

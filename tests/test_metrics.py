@@ -175,22 +175,38 @@ def test_every_scalar_of_a_step_reaches_tensorboard_in_one_event(tmp_path):
     assert "grad_norm" in {v.tag for v in steps[0].summary.value}  # the space cleaned
 
 
-def test_a_resumed_run_tells_tensorboard_to_drop_the_steps_it_runs_again(tmp_path):
-    """metrics.jsonl is truncated at the resume step; TensorBoard showed steps run twice."""
+@pytest.mark.parametrize("start", [4, 0])
+def test_a_resumed_run_tells_tensorboard_to_drop_the_steps_it_runs_again(tmp_path, start):
+    """metrics.jsonl is truncated at the resume step; TensorBoard showed steps run twice.
+    A run started again from step 0 (it stopped before its first checkpoint) too."""
     from hetjax.metrics import Writer
     first = Writer(tmp_path, 6, tensorboard=True)
     for s in range(6):
         first.write(s, {"loss": float(s)})
     first.close()
     time.sleep(1.1)  # event files are named by the second they start
-    again = Writer(tmp_path, 6, tensorboard=True, start_step=4)
-    for s in (4, 5):
+    again = Writer(tmp_path, 6, tensorboard=True, start_step=start)
+    for s in range(start, 6):
         again.write(s, {"loss": 10.0 + s})
     again.close()
     files = sorted((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert len(files) == 2
     starts = [(e.step, e.session_log.status) for e in _tb_events(files[1]) if e.HasField("session_log")]
-    assert starts == [(4, 1)]  # SessionLog.START at step 4: readers drop the first file's later events
+    assert starts == [(start, 1)]  # SessionLog.START there: readers drop the first file's later events
+
+
+def test_a_step_whose_loss_or_gradient_norm_is_not_finite_stops_the_run_naming_the_steps():
+    from hetjax.errors import TrainingDiverged
+    from hetjax.metrics import check_finite
+    check_finite({"loss": 2.0, "grad_norm": 3.0}, 7, 6)
+    with pytest.raises(TrainingDiverged, match=r"the loss is nan at step 7; the last finite loss was at step 4, "
+                                              r"so training diverged in steps 5..7"):
+        check_finite({"loss": float("nan"), "grad_norm": float("nan")}, 7, 4)
+    # A finite loss with a gradient norm that is not: the update makes the next state inf or
+    # NaN, which the save after this step would have kept.
+    with pytest.raises(TrainingDiverged, match=r"the gradient norm \(so the parameters after it are not\) is inf "
+                                              r"at step 7; .* steps 7..7"):
+        check_finite({"loss": 2.0, "grad_norm": float("inf")}, 7, 6)
 
 
 def test_tensorboard_scalars_are_written_without_importing_pytorch(tmp_path):

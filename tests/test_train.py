@@ -16,6 +16,7 @@ import pytest
 from hetjax import config as config_lib, program
 from hetjax import data, step, train
 from hetjax.config import Config, MeshConfig, ModelConfig, OptimConfig
+from hetjax.errors import TrainingDiverged
 from hetjax.optim import decay_mask, learning_rate_schedule, make_optimizer
 from tests.test_sharding import build
 
@@ -152,12 +153,24 @@ def test_tiny_config_trains(tmp_path):
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == saved
 
 
-def test_a_nan_stops_training_with_the_step_range(tmp_path):
-    with pytest.raises(train.TrainingDiverged, match=r"training diverged in steps \d+\.\.\d+"):
-        run_main(tmp_path, "--config.steps=30", "--config.optim.learning_rate=1e30",
-                 "--config.optim.warmup_steps=0", "--config.optim.grad_clip_norm=0")
+def test_a_nan_stops_training_with_the_step_range_and_no_checkpoint_holds_it(tmp_path):
+    # At this rate step 1's loss is still finite but its gradient norm is NaN: the state
+    # after it is NaN, and a save at step 2 (reading step 1's metrics) used to keep it.
+    overrides = {"steps": "30", "optim.learning_rate": "1e5", "optim.warmup_steps": "0",
+                 "optim.grad_clip_norm": "0", "checkpoint.every": "1", "checkpoint.async_save": "False"}
+    with pytest.raises(TrainingDiverged, match=r"training diverged in steps \d+\.\.\d+"):
+        run_main(tmp_path, *(f"--config.{k}={v}" for k, v in overrides.items()))
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert all(math.isfinite(r["loss"]) for r in rows)  # what was written stays
+    assert rows and all(math.isfinite(r["loss"]) for r in rows)  # what was written stays
+    # A step's save reads that step's metrics first: a resume starts from a finite state.
+    from hetjax import checkpoint, state as state_lib
+    from hetjax.mesh import make_mesh
+    cfg = config_lib.load("tiny.py", overrides)
+    _, abstract = state_lib.abstract_state(cfg.model, cfg.seed, make_optimizer(cfg.optim, cfg.steps))
+    shardings = state_lib.state_shardings(abstract, make_mesh(MeshConfig(), jax.devices()[:1]), cfg.sharding.rules)
+    restored = checkpoint.Manager(tmp_path / "run" / "checkpoints", read_only=True).restore_latest(abstract, shardings)
+    assert restored is not None
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(restored.state))), restored.step
 
 
 def test_compile_only_reports_memory_and_flops(tmp_path, capsys):
