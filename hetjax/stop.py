@@ -34,6 +34,20 @@ def end_with_parent(signum: int, parent: int | None = None) -> None:
         os.kill(os.getpid(), signum)
 
 
+def close_all(*closers) -> None:
+    """Calls every closer in order, even when one before it raises, then raises the first
+    error: a part that fails to close must not leave a later one (a checkpoint still being
+    written, the signal handlers) unclosed."""
+    first = None
+    for close in closers:
+        try:
+            close()
+        except BaseException as e:  # noqa: BLE001 - raised below, once the rest are closed
+            first = first or e
+    if first is not None:
+        raise first
+
+
 class Agreement:
     """Whether any process of this jax.distributed world asked to stop. Every process must
     stop at the same step (a save is collective), and a signal reaches them at different

@@ -183,14 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.steps not in ckpt.steps():
             save(cfg.steps)
     finally:
-        profiler.close()
-        clock.close()
-        batches.close()
-        writer.close(failed=sys.exc_info()[0] is not None)  # in `finally`: the error on its way out
-        recorder.close()
-        ckpt.close()
-        job.close()
-        signals.close()  # last: a second Ctrl-C while closing still exits at once
+        failed = sys.exc_info()[0] is not None  # the error on its way out
+        # signals last: a second Ctrl-C while closing still exits at once.
+        stop_lib.close_all(profiler.close, clock.close, batches.close, lambda: writer.close(failed=failed),
+                           recorder.close, ckpt.close, job.close, signals.close)
     print(f"done: {cfg.steps} steps; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
     return 0
 

@@ -221,6 +221,17 @@ def test_a_stuck_tensorboard_writer_cannot_hold_the_exit(tmp_path, capsys):
     release.set()
 
 
+def test_a_part_that_fails_to_close_leaves_the_others_closed_and_the_final_save_committed(tmp_path, monkeypatch):
+    import signal
+    from hetjax import checkpoint, profiler
+    monkeypatch.setattr(profiler.Profiler, "close", lambda self: 1 / 0)  # closed first of all
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(ZeroDivisionError):
+        run_main(tmp_path, "--config.steps=3", "--config.eval_every=0", "--config.checkpoint.every=0")
+    assert signal.getsignal(signal.SIGTERM) == before  # the handlers, closed last, are restored
+    assert checkpoint.Manager(tmp_path / "run" / "checkpoints", read_only=True).steps() == [3]  # committed
+
+
 def test_a_sigterm_in_the_last_step_finishes_the_run_with_its_final_eval(tmp_path, monkeypatch):
     """Stopping after the last step used to save and exit 143 before the final eval, and a
     rerun (already at config.steps) never ran it."""
