@@ -163,11 +163,9 @@ def test_a_nan_stops_training_with_the_step_range_and_no_checkpoint_holds_it(tmp
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(math.isfinite(r["loss"]) for r in rows)  # what was written stays
     # A step's save reads that step's metrics first: a resume starts from a finite state.
-    from hetjax import checkpoint, state as state_lib
-    from hetjax.mesh import make_mesh
-    cfg = config_lib.load("tiny.py", overrides)
-    _, abstract = state_lib.abstract_state(cfg.model, cfg.seed, make_optimizer(cfg.optim, cfg.steps))
-    shardings = state_lib.state_shardings(abstract, make_mesh(MeshConfig(), jax.devices()[:1]), cfg.sharding.rules)
+    from hetjax import checkpoint
+    from tests.test_checkpoint import abstract_for
+    abstract, shardings = abstract_for(MeshConfig(), 1, config_lib.load("tiny.py", overrides))
     restored = checkpoint.Manager(tmp_path / "run" / "checkpoints", read_only=True).restore_latest(abstract, shardings)
     assert restored is not None
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(restored.state))), restored.step
