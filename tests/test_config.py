@@ -131,6 +131,9 @@ def no_compile(monkeypatch):
     (["--config.run_dir="], r"config.run_dir='': give the run's directory"),
     (["--config.model.attention_impl=cudnn"], r"attention_impl='cudnn' runs on CUDA GPUs only, and this run is on cpu"),
     (["--config.steps=2", "--config.profile_steps=5:7"], r"step 5 is not below config.steps=2"),
+    # Interleaved chunks without pipeline stages used to train plain fsdp under the V=2 name.
+    (["--config.pipeline.virtual_stages=2", "--config.pipeline.schedule=1f1b_fused"],
+     r"config.pipeline.virtual_stages=2 with config.mesh.pipeline=1: .* set config.mesh.pipeline > 1"),
     (["--config.sharding.rules=" + repr(tuple(dict(config_lib.DEFAULT_RULES, batch=("fsdp", "fsdp")).items()))],
      r"mesh axis 'fsdp' is named twice"),
 ])

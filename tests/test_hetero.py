@@ -212,6 +212,8 @@ def test_bad_island_configs_are_refused_naming_the_field(hetero, match):
     ({"pipeline.microbatches": "1"}, {"placement": "data", "islands": (
         IslandConfig(name="a", devices_per_process=2, mesh=MeshConfig(pipeline=2, fsdp=1)), IslandConfig(name="b"))},
      "islands\\[0\\].mesh.pipeline=2: config.pipeline.microbatches=1 is smaller"),
+    ({"pipeline.virtual_stages": "2", "pipeline.schedule": "1f1b_fused"}, {"placement": "data"},
+     "virtual_stages=2 with config.hetero.placement='data'"),
     ({}, {"placement": "data", "island_layers": (1, 1)}, "island_layers=\\(1, 1\\) / auto_split=False with "
                                                          "placement='data'"),
     ({"batch_size": "5"}, {"placement": "data"}, "config.batch_size=5: 5 cannot be split over the islands in "

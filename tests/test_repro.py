@@ -155,7 +155,8 @@ def test_layouts_are_parsed_and_bad_ones_refused():
             for l in lays] == [("8", "1", "1", 8), ("2", "4", "1", 8), ("-1", "1", "2", 8), ("-1", "1", "2", 8)]
     assert lays[3].overrides["pipeline.virtual_stages"] == "2" and "virtual_stages" not in str(lays[2].overrides)
     assert lays[3].overrides.get("pipeline.schedule", CFG.pipeline.schedule) in ("gpipe", "1f1b_fused")
-    for bad, word in (("fsdp=8", "at least two"), ("fsdp=8; tensr=2", "tensr=2"), ("fsdp=8; islands=2,fsdp=2", "islands")):
+    for bad, word in (("fsdp=8", "at least two"), ("fsdp=8; tensr=2", "tensr=2"), ("fsdp=8; islands=2,fsdp=2", "islands"),
+                      ("fsdp=8; fsdp=4,fsdp=2", "names fsdp twice")):
         with pytest.raises(ConfigError, match=word):
             check.parse(bad)
     if importlib.util.find_spec("hetjax.hetero") is None:
@@ -177,6 +178,9 @@ def test_a_layout_the_model_cannot_split_is_refused_before_any_run(tmp_path, mon
     monkeypatch.setattr(check, "run", lambda *a, **k: pytest.fail("trained before checking every layout"))
     with pytest.raises(ConfigError, match=r"vocab_size=256 does not split over config.mesh.tensor=3"):
         check.check("tiny", "fsdp=8; fsdp=2,tensor=3", tmp_path / "out", devices=6)
+    # A layout that names virtual_stages without pipeline stages would train plain fsdp.
+    with pytest.raises(ConfigError, match=r"virtual_stages=2 with config.mesh.pipeline=1"):
+        check.check("tiny", "fsdp=8; fsdp=8,virtual_stages=2", tmp_path / "out", devices=8)
 
 
 # ---------------------------------------------------------------------------
@@ -270,6 +274,18 @@ def test_the_same_config_twice_and_a_resumed_run_are_bit_identical(tmp_path, sma
     assert r.identical and r.first_loss_diff is None and r.first_grad_norm_diff is None, compare.describe(r)
     r = compare.compare(edited("nan3", nan_at_5), edited("nan4", nan_norm))
     assert not r.within and r.max_norm_drift == math.inf, compare.describe(r)
+
+    # A run killed (or diverged) after 2 of its 20 steps: its first steps agree, but the
+    # steps it lacks cannot be judged, so the comparison is void, never "bit-identical".
+    killed = edited("killed", lambda row: None)
+    rows = [json.loads(l) for l in (killed / "fingerprints.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["kind"] == "header" or r["step"] < 2 or (r["kind"] == "params" and r["step"] == 0)]
+    (killed / "fingerprints.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for x, y, short in ((a, killed, "B"), (killed, a, "A")):
+        r = compare.compare(x, y)
+        assert r.code == compare.VOID and not r.identical, compare.describe(r)
+        assert f"run {short} ends at step 1 (its config trains 20)" in r.void, r.void
+    assert repro_main(["compare", str(a), str(killed)]) == compare.VOID
 
     # A run resumed with another learning rate: the config diff is the one it ended with.
     resumed = edited("resumed", lambda row: None)

@@ -99,6 +99,10 @@ def validate_hetero(cfg) -> None:
     if cfg.mesh.pipeline not in (1, -1):
         raise ConfigError(f"config.mesh.pipeline={cfg.mesh.pipeline} with config.hetero.islands: "
                           f"each island's mesh is its own (config.hetero.islands[k].mesh)")
+    if h.placement == "data" and cfg.pipeline.virtual_stages != 1:
+        raise ConfigError(f"config.pipeline.virtual_stages={cfg.pipeline.virtual_stages} with config.hetero."
+                          f"placement='data': islands exchange gradients in the model's layout, which "
+                          f"interleaved chunks reorder; set virtual_stages=1 or placement='pipeline'")
     if h.placement == "pipeline":
         if n < 2:
             raise ConfigError("config.hetero.placement='pipeline' needs at least 2 islands (one per stage)")

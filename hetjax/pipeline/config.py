@@ -50,6 +50,9 @@ def validate_pipeline(cfg) -> None:
                           f"interleaved stages run with {' or '.join(VIRTUAL_SCHEDULES)}; set "
                           f"virtual_stages=1 or change the schedule")
     if stages == 1:
+        if V > 1 and not cfg.hetero.islands:  # islands check V against their own placement
+            raise ConfigError(f"config.pipeline.virtual_stages={V} with config.mesh.pipeline=1: interleaved "
+                              f"chunks need pipeline stages; set config.mesh.pipeline > 1 or virtual_stages=1")
         return
     if cfg.optim.grad_accum_steps != 1:  # -1 too: the pipelined step would ignore it
         raise ConfigError(

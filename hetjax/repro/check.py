@@ -68,6 +68,8 @@ def parse(text: str) -> list[tuple[str, dict[str, int]]]:
             if not m or m.group(1) not in (*MESH_AXES, "islands", "virtual_stages"):
                 raise ConfigError(f"--layouts: {part.strip()!r} in {item!r} is not AXIS=SIZE with AXIS one "
                                   f"of {', '.join(MESH_AXES)}, virtual_stages, islands; e.g. 'fsdp=2,tensor=4'")
+            if m.group(1) in sizes:
+                raise ConfigError(f"--layouts: {item!r} names {m.group(1)} twice; give each axis once")
             sizes[m.group(1)] = int(m.group(2))
         if "islands" in sizes and set(sizes) - {"islands", "virtual_stages"}:
             raise ConfigError(f"--layouts: {item!r}: islands=N takes no mesh axes (the islands choose theirs), "

@@ -30,6 +30,8 @@ class Report:
     a: str
     b: str
     steps: list[int]  # steps both runs recorded
+    ends: tuple[int | None, int | None]  # the last step each run recorded
+    planned: tuple[int | None, int | None]  # config.steps each run ended with
     first_data_diff: int | None
     init_step: int | None  # the first params step both recorded
     init_equal: bool | None
@@ -57,6 +59,12 @@ class Report:
             return (f"the parameters differ at step {self.init_step}, the first step both recorded: the runs "
                     f"did not start from the same weights; start both from one checkpoint "
                     f"(--config.init_from=DIR)")
+        if self.ends[0] != self.ends[1]:
+            short = 0 if self.ends[0] < self.ends[1] else 1
+            name, other = "AB"[short], "AB"[1 - short]
+            return (f"run {name} ends at step {self.ends[short]} (its config trains {self.planned[short]}), run {other} at step "
+                    f"{self.ends[1 - short]}: {name} stopped early (killed, diverged) or is still running, and "
+                    f"the steps it lacks cannot be judged; compare runs that reached the same step")
         return None
 
     @property
@@ -163,7 +171,8 @@ def compare(run_a: str | Path, run_b: str | Path, rtol: float = LOSS_RTOL,
         digests_equal=[s for s in pboth if pa[s]["params"] == pb[s]["params"]],
         digests_differ=[s for s in pboth if pa[s]["params"] != pb[s]["params"]],
         config_diff=config_diff(cfg_a, cfg_b), platforms=(where(ha), where(hb)),
-        rtol=rtol, norm_rtol=norm_rtol)
+        ends=(max(sa, default=None), max(sb, default=None)),
+        planned=(cfg_a.get("steps"), cfg_b.get("steps")), rtol=rtol, norm_rtol=norm_rtol)
 
 
 def describe(r: Report, top: int = 5) -> str:
@@ -173,6 +182,9 @@ def describe(r: Report, top: int = 5) -> str:
         lines.append(f"config differs: {k} = {va!r} (A) vs {vb!r} (B)")
     if r.steps:
         lines.append(f"steps compared: {r.steps[0]}..{r.steps[-1]} ({len(r.steps)})")
+    for name, end, planned in zip("AB", r.ends, r.planned):
+        if end is not None and planned is not None and end + 1 < planned:
+            lines.append(f"run {name} ends at step {end}, short of its config.steps={planned}")
     lines.append("data: " + ("identical batches at every step" if r.first_data_diff is None
                              else f"FIRST DIFFERS AT STEP {r.first_data_diff}"))
     if r.init_step is not None:
