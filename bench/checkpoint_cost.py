@@ -37,6 +37,9 @@ def main() -> None:
     p.add_argument("--embed", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     args = p.parse_args()
+    if args.rounds < 1 or not 1 <= args.every <= args.steps:
+        p.error(f"--steps={args.steps} --every={args.every} --rounds={args.rounds}: a round needs a save "
+                f"(1 <= every <= steps) and at least one round")
     d = args.embed
     cfg = Config(model=ModelConfig(vocab_size=1024, num_layers=4, embed_dim=d, mlp_dim=3 * d, num_heads=4,
                                    num_kv_heads=2, head_dim=d // 4), mesh=MeshConfig(fsdp=-1),
@@ -60,7 +63,7 @@ def main() -> None:
             jax.block_until_ready(metrics)
             step_times.append(time.perf_counter() - t)
             s = first + i + 1
-            if manager is not None and s % args.every == 0:
+            if manager is not None and (i + 1) % args.every == 0:  # steps // every saves in every round
                 t = time.perf_counter()
                 manager.save(s, state, {"step": s}, {})
                 blocked.append(time.perf_counter() - t)

@@ -48,9 +48,13 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
             # run's first row is known by train.py's mark. A step that goes back (a file
             # not truncated) starts a run too.
             start = previous is None or row["step"] <= previous or bool(row.get("run_start"))
-            row["warmup"] = start or train.get(row["step"], {}).get("warmup", False)
-            previous = row["step"]
-            train.setdefault(row["step"], {}).update(row)
+            previous, step = row["step"], row["step"]
+            if i > 0:  # an island's own series only: the job's loss and times are the writer's
+                if step not in train:
+                    continue
+                row = {k: v for k, v in row.items() if "/" in k}
+            row["warmup"] = start or train.get(step, {}).get("warmup", False)
+            train.setdefault(step, {}).update(row)
     return [train[s] for s in sorted(train)], evals
 
 

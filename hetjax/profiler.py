@@ -31,15 +31,17 @@ def parse_window(text: str) -> tuple[int, int] | None:
 
 
 class Profiler:
-    """Starts jax.profiler before step A and stops it after step B-1 (or at close)."""
+    """Starts jax.profiler before step A (or the first step of a run resumed inside the
+    window) and stops it after step B-1, or at close, saying which steps it traced."""
 
     def __init__(self, window: str, directory: Path, log=print):
         self.window = parse_window(window)
         self.directory, self.log, self.active = Path(directory), log, False
+        self.traced: list[int] = []  # the steps dispatched while tracing
 
     def before(self, step: int) -> bool:
         """Before step `step` is dispatched; True when the trace started now."""
-        if self.window and step == self.window[0]:
+        if self.window and not self.traced and not self.active and self.window[0] <= step < self.window[1]:
             self.directory.mkdir(parents=True, exist_ok=True)
             jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
             self.active = True
@@ -49,7 +51,10 @@ class Profiler:
     def after(self, step: int, result=None) -> bool:
         """After step `step` was dispatched; `result` is waited for before the trace stops.
         True when it stopped now."""
-        if self.active and step == self.window[1] - 1:
+        if not self.active:
+            return False
+        self.traced.append(step)
+        if step == self.window[1] - 1:
             jax.block_until_ready(result)
             self.close()
             return True
@@ -65,7 +70,9 @@ class Profiler:
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
-            self.log(f"profile of steps {self.window[0]}..{self.window[1] - 1} in {self.directory}")
+            steps = f"steps {self.traced[0]}..{self.traced[-1]}" if self.traced else "no step"
+            self.log(f"profile of {steps} (config.profile_steps={self.window[0]}:{self.window[1]}) "
+                     f"in {self.directory}")
 
 
 # Kernel names by what they do, as CUDA's and ROCm's libraries and XLA name them.

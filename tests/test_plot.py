@@ -59,7 +59,9 @@ def islands_metrics(run_dir: Path) -> Path:
         common = {"step": s, "loss": 5.5 - 0.1 * s, "tokens": 1000.0, "step_time": 0.1, "tokens_per_sec": 1e4 + s,
                   "mfu": 0.08, "mfu_maxtext": 0.075, "data_wait_time": 0.001}
         main.append({**common, "cuda/step_time": 0.1, "cuda/transfer_time": 0.02})
-        other.append({**common, "rocm/step_time": 0.09 + 0.001 * s, "rocm/transfer_time": 0.03})
+        # The other process's own view of the step (its clock, its MFU) is not the job's.
+        other.append({**common, "tokens_per_sec": 1e3, "step_time": 1.0, "mfu": 0.5,
+                      "rocm/step_time": 0.09 + 0.001 * s, "rocm/transfer_time": 0.03})
     main.insert(3, {"step": 2, "eval_loss": 5.4})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in main) + '{"step": 6, "lo')
     (run_dir / "islands" / "rocm-0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in other))
@@ -72,6 +74,9 @@ def test_an_islands_run_reads_as_one_series_per_island_with_its_evals(tmp_path):
     assert plot.islands(rows) == ["cuda", "rocm"]
     assert rows[4]["rocm/step_time"] == pytest.approx(0.094) and rows[4]["cuda/transfer_time"] == 0.02
     assert [r["warmup"] for r in rows] == [True] + [False] * 5  # the first row of each file
+    # The job's series are the writer's (they were whichever file sorted last).
+    assert [r["tokens_per_sec"] for r in rows] == [1e4 + s for s in range(6)]
+    assert {r["step_time"] for r in rows} == {0.1} and {r["mfu"] for r in rows} == {0.08}
     assert evals == [{"step": 2, "eval_loss": 5.4}]
 
 

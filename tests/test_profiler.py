@@ -67,7 +67,7 @@ def slow_traced_run(tmp_path_factory) -> Path:
 
 def test_a_one_mesh_run_traces_its_window_into_files_tensorboard_and_perfetto_open(tmp_path_factory):
     run_dir = slow_traced_run(tmp_path_factory)
-    assert f"profile of steps 1..3 in {run_dir / 'profile'}" in (run_dir / "stdout.txt").read_text()
+    assert f"profile of steps 1..3 (config.profile_steps=1:4) in {run_dir / 'profile'}" in (run_dir / "stdout.txt").read_text()
     # TensorBoard's layout: profile/plugins/profile/<time>/<host>.xplane.pb
     xplanes = list((run_dir / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(xplanes) == 1, xplanes
@@ -79,6 +79,26 @@ def test_a_one_mesh_run_traces_its_window_into_files_tensorboard_and_perfetto_op
     events = json.loads(gzip.decompress(perfetto.read_bytes()))["traceEvents"]
     steps = sorted(e["args"]["step_num"] for e in events if e.get("name") == "train")
     assert steps == ["1", "2", "3"], steps
+
+
+def test_a_run_resumed_inside_the_window_traces_its_rest_and_says_which_steps_it_traced(tmp_path):
+    """It traced nothing when it resumed past A, and named steps up to B-1 when it ended first."""
+    import jax.numpy as jnp
+    for window, steps, traced in (("1:4", range(2, 6), "steps 2..3"), ("2:10", range(0, 5), "steps 2..4"),
+                                  ("1:3", range(3, 6), None)):
+        said = []
+        p = profiler.Profiler(window, tmp_path / window.replace(":", "_"), said.append)
+        for s in steps:
+            p.before(s)
+            with p.step(s):
+                x = jnp.ones(4) * s
+            p.after(s, x)
+        p.close()
+        if traced is None:  # the window lies before the run's first step
+            assert said == [] and not (tmp_path / "1_3").exists()
+        else:
+            assert said == [f"profile of {traced} (config.profile_steps={window}) in {p.directory}"], said
+            assert list(p.directory.rglob("*.xplane.pb"))
 
 
 def test_kernel_summary_counts_overlapping_kernels_once_and_sorts_them_by_kind(tmp_path):

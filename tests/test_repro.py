@@ -183,6 +183,17 @@ def test_a_layout_the_model_cannot_split_is_refused_before_any_run(tmp_path, mon
         check.check("tiny", "fsdp=8; fsdp=8,virtual_stages=2", tmp_path / "out", devices=8)
 
 
+@pytest.mark.parametrize("command", [["check", "--layouts", "fsdp=8; fsdp=4"], ["platforms", "--platforms", "cpu,cpu"]])
+@pytest.mark.parametrize("flag", ["--config.steps=5", "--config.fingerprint_every=1"])
+def test_check_and_platforms_refuse_a_config_override_of_what_they_set(command, flag, tmp_path, monkeypatch, capsys):
+    """platforms used to train --steps' count silently over a --config.steps override."""
+    monkeypatch.setattr(check.subprocess, "run", lambda *a, **k: pytest.fail("trained before refusing"))
+    assert repro_main([command[0], "--config", "tiny", *command[1:], "--steps", "2", "--out",
+                       str(tmp_path / "out"), flag]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: hetjax.repro {command[0]} sets it to" in err and "instead" in err, err
+
+
 # ---------------------------------------------------------------------------
 # End to end: real training runs (python -m hetjax.train in fresh processes).
 

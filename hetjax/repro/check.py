@@ -154,16 +154,22 @@ def run(lay: Layout, config: str, overrides: dict, run_dir: Path, platform: str,
             return 124
 
 
+def with_counts(overrides: dict | None, steps: int, fingerprint_every: int, command: str) -> dict:
+    """The overrides with the command's --steps and --fingerprint-every; a --config. override
+    of either is refused, as it would be ignored."""
+    for key, flag, value in (("steps", "--steps", steps), ("fingerprint_every", "--fingerprint-every",
+                                                         fingerprint_every)):
+        if str((overrides or {}).get(key, value)) != str(value):
+            raise ConfigError(f"--config.{key}={overrides[key]}: hetjax.repro {command} sets it to {value}; "
+                              f"use {flag} instead")
+    return {**(overrides or {}), "steps": str(steps), "fingerprint_every": str(fingerprint_every)}
+
+
 def check(config: str, layouts: str, out: str | Path, overrides: dict | None = None, *, steps: int = 20,
           devices: int = 8, fingerprint_every: int = 10, rtol: float = compare_lib.LOSS_RTOL,
           norm_rtol: float = compare_lib.NORM_RTOL, timeout: float = 1800, echo=print) -> tuple[int, list]:
     """Runs every layout and compares each with the first. Returns (exit code, rows)."""
-    for key, flag, value in (("steps", "--steps", steps), ("fingerprint_every", "--fingerprint-every",
-                                                         fingerprint_every)):
-        if str((overrides or {}).get(key, value)) != str(value):  # check sets it: the override would be ignored
-            raise ConfigError(f"--config.{key}={overrides[key]}: hetjax.repro check sets it to {value}; "
-                              f"use {flag} instead")
-    overrides = {**(overrides or {}), "steps": str(steps), "fingerprint_every": str(fingerprint_every)}
+    overrides = with_counts(overrides, steps, fingerprint_every, "check")
     cfg = config_lib.load(config, overrides)  # a bad key or value fails before any run
     lays = [layout(name, sizes, cfg, devices, config) for name, sizes in parse(layouts)]
     for lay in lays:  # every layout's config is checked before the first run

@@ -69,7 +69,7 @@ def compare_platforms(config: str, overrides: dict, out: str | Path, platforms=(
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out={str(out)!r} is not empty; give a new directory")
-    overrides = {**overrides, "steps": str(steps), "fingerprint_every": str(fingerprint_every)}
+    overrides = check_lib.with_counts(overrides, steps, fingerprint_every, "platforms")
     config_lib.validate(config_lib.load(config, overrides))  # a bad key fails before any run
     env = {"JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     init = out / "init"
