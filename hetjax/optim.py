@@ -17,7 +17,7 @@ class OptimConfig:
 
     learning_rate: float = 3e-4
     warmup_steps: int = 10
-    decay_steps: int = 0  # 0: decay over the whole run (config.steps)
+    decay_steps: int = 0  # the step where the cosine ends, warmup included; 0: config.steps
     min_lr_ratio: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
@@ -45,6 +45,11 @@ def validate_optim(cfg: OptimConfig) -> None:
     for name in ("warmup_steps", "decay_steps"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"config.optim.{name}={getattr(cfg, name)}: must not be negative")
+    if 0 < cfg.decay_steps <= cfg.warmup_steps:  # the cosine would fall to its floor in one step
+        raise ConfigError(f"config.optim.decay_steps={cfg.decay_steps} is not above config.optim.warmup_steps="
+                          f"{cfg.warmup_steps}: it counts from step 0, warmup included; give the step where "
+                          f"the decay ends (e.g. {cfg.warmup_steps + 10 * max(cfg.decay_steps, 1)}) or 0 for "
+                          f"the whole run")
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

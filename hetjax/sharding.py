@@ -65,6 +65,11 @@ def validate_sharding(s: ShardingConfig, model_axes) -> None:
                 f"config.sharding.rules[{i}]={rule!r}: each rule is (logical_axis, mesh_axes), "
                 f"e.g. ('mlp', 'tensor') or ('batch', ('data', 'fsdp')) or ('length', None)")
         target = rule[1]
+        if not (target is None or isinstance(target, str)
+                or (isinstance(target, tuple) and all(isinstance(a, str) for a in target))):
+            raise ConfigError(
+                f"config.sharding.rules[{i}]={rule!r}: the target must be None, a mesh axis or a tuple of "
+                f"mesh axes, e.g. ('mlp', 'tensor') or ('batch', ('data', 'fsdp')) or ('length', None)")
         targets = mesh_axes(target)
         for axis in targets:
             if axis not in MESH_AXES:

@@ -67,7 +67,7 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype: float32 or bfloat16
     param_dtype: str = "float32"  # master weights stay fp32
     remat: str = "none"  # per-layer policy: none | full | dots | dots_no_batch
-    attention_impl: str = "auto"  # jax.nn.dot_product_attention: auto | xla | cudnn
+    attention_impl: str = "auto"  # jax.nn.dot_product_attention: auto (jax's pick: XLA on 0.10) | xla | cudnn
 
     def dims(self) -> dict[str, tuple[str, int]]:
         """Logical axis -> (config field, size), for divisibility checks."""

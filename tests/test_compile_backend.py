@@ -142,3 +142,25 @@ def test_second_start_hits_the_compilation_cache(tmp_path):
     assert second["hits"] == first["misses"] and second["misses"] == 0
     key = f"cpu-jax{__import__('jax').__version__}"
     assert list((tmp_path / ".jax_cache" / key).iterdir())
+
+
+def test_cudnn_attention_is_refused_where_jax_has_no_cuda_device_whatever_the_profile(tmp_path, capsys):
+    """With config.compile.platform=cuda on a machine without a GPU, jax starts on CPU and
+    used to fail inside tracing ("cuDNN is not detected", a traceback); the plan and the
+    export lower on CPU devices and failed the same way."""
+    run_dir = tmp_path / "run"
+    p = python("from hetjax import train; import sys; sys.exit(train.cli())", "--config", "tiny",
+               "--config.compile.platform=cuda", "--config.model.attention_impl=cudnn",
+               "--config.model.dtype=bfloat16", f"--config.run_dir={run_dir}", "--config.steps=1")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2, out + err
+    assert "attention_impl='cudnn' runs on CUDA GPUs only, and jax started on cpu here" in err and "Traceback" not in err
+    assert not run_dir.exists()
+    from hetjax.compile import cli
+    from hetjax.compile.__main__ import main as compile_main
+    from hetjax.plan import main as plan_main
+    for main, extra in ((compile_main, ["--platforms", "cuda"]), (plan_main, [])):
+        assert cli.run(main, ["--config", "tiny", "--devices", "8", "--out", str(tmp_path / "out"), *extra,
+                              "--config.model.attention_impl=cudnn", "--config.model.dtype=bfloat16"]) == 2
+        assert "use --config.model.attention_impl=xla here" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -126,6 +126,9 @@ def test_command_line_bad_input(tmp_path, capsys):
     assert "does not divide the 8 devices" in capsys.readouterr().err
     assert run("--platforms", "rocm", "--devices", "8", "--config.mesh.tensor=8") == 2
     assert "config.model.num_heads=4 does not split over config.mesh.tensor=8" in capsys.readouterr().err
+    assert cli.run(compile_main, ["--config", "tiny_hetero", "--out", str(tmp_path), "--platforms", "cuda,rocm",
+                                  "--devices", "4"]) == 2
+    assert "config.hetero.islands (cuda, rocm): python -m hetjax.compile works on one mesh" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before anything was written
     assert run("--platforms", "cuda,rocm", "--devices", "8", "--config.model.num_layers=1") == 0
     assert "train_step of tiny for cuda,rocm" in capsys.readouterr().out

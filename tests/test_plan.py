@@ -133,6 +133,9 @@ def test_the_planner_refuses_what_the_trainer_refuses_before_compiling(tmp_path,
     assert run(plan_main, [*common, "--mesh", "pipeline=8", "--config.model.num_layers=8",
                            "--config.pipeline.microbatches=8", "--config.sharding.max_replicated_fraction=0.01"]) == 2
     assert "config.sharding.max_replicated_fraction" in capsys.readouterr().err
+    # A config of islands: the plan of one fsdp mesh would describe no program the job runs.
+    assert run(plan_main, ["--config", "tiny_hetero", "--devices", "4", "--out", str(tmp_path / "out")]) == 2
+    assert "config.hetero.islands (cuda, rocm): python -m hetjax.plan works on one mesh" in capsys.readouterr().err
     (tmp_path / "afile").write_text("")
     assert run(plan_main, ["--config", "tiny", "--devices", "8", "--out", str(tmp_path / "afile")]) == 2
     assert "--out=" in capsys.readouterr().err

@@ -199,6 +199,11 @@ def start(cfg) -> str:
     from hetjax.compile import cache
     check_attention(cfg.model, resolve(cfg.compile)[0].platform)  # before XLA's flags are set
     applied = setup(cfg.compile)
+    import jax  # started by now, with the profile's settings
+    if cfg.model.attention_impl == "cudnn" and jax.default_backend() != "cuda":
+        raise ConfigError(f"config.model.attention_impl='cudnn' runs on CUDA GPUs only, and jax started on "
+                          f"{jax.default_backend()} here (the {applied.profile.name} profile sets flags, not the "
+                          f"device); run it on a CUDA GPU, or use attention_impl='xla'")
     line = applied.describe()
     if cfg.compile.cache:
         path = cache.enable(cache.directory(cfg.compile.cache_dir, cfg.run_dir, applied.profile.platform))
@@ -213,11 +218,11 @@ def check_attention(model, platform: str) -> None:
         return
     if platform != "cuda":
         raise ConfigError(f"config.model.attention_impl='cudnn' runs on CUDA GPUs only, and this run is on "
-                          f"{platform}; use 'auto' (cuDNN where it applies) or 'xla'")
+                          f"{platform}; use 'xla' (jax's 'auto' is XLA too)")
     if model.dtype not in ("bfloat16", "float16"):
         raise ConfigError(f"config.model.attention_impl='cudnn' computes in bfloat16 or float16, and "
                           f"config.model.dtype={model.dtype!r}; set --config.model.dtype=bfloat16, or use "
-                          f"attention_impl='auto'")
+                          f"attention_impl='xla'")
 
 
 # Islands on CPU, and the processes of a one-mesh world on CPU, compile every program

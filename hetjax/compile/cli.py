@@ -12,12 +12,24 @@ from hetjax.compile import backend
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str]):
-    """(namespace, validated Config): `parser`'s flags, plus --config X and --config.a.b=v."""
+    """(namespace, validated Config): `parser`'s flags, plus --config X and --config.a.b=v.
+    These programs lower one mesh's train step, so a config of islands is refused."""
     parser.add_argument("--config", required=True, help="config file, e.g. configs/tiny.py")
     ns, rest = parser.parse_known_args(argv)
     cmd = cli.parse_command_line(["--config", ns.config, *rest], flags=())
     cfg = config_lib.load(cmd.config, cmd.overrides)
     config_lib.validate(cfg)
+    if cfg.model.attention_impl == "cudnn":  # these programs lower on virtual CPU devices
+        raise config_lib.ConfigError(
+            f"config.model.attention_impl='cudnn': jax asks a CUDA GPU's cuDNN while tracing it, and "
+            f"{parser.prog} lowers on CPU devices; use --config.model.attention_impl=xla here (the same "
+            f"FLOPs; XLA's attention also holds the scores that cuDNN's kernel does not)")
+    if cfg.hetero.islands:
+        names = ", ".join(i.name for i in cfg.hetero.islands)
+        raise config_lib.ConfigError(
+            f"config.hetero.islands ({names}): {parser.prog} works on one mesh's train step, and islands "
+            f"compile their own stage programs when the job starts; give one island's mesh as "
+            f"--config.mesh.* with --config.hetero.islands=()")
     return ns, cfg
 
 
