@@ -148,7 +148,9 @@ def train_step_fn(cfg, graphdef, tx, mesh: Mesh, plan: Plan | None) -> Callable:
 def eval_step_fn(cfg, graphdef, mesh: Mesh, plan: Plan | None) -> Callable:
     """The pure eval step, (params, batch) -> {"loss_sum", "tokens"}, chosen like train_step_fn."""
     r = rules(cfg, plan)
-    return step.make_eval_step(graphdef, mesh, r) if plan is None else spmd.make_eval_step(graphdef, mesh, r, plan)
+    if plan is None:
+        return step.make_eval_step(graphdef, mesh, r, cfg.optim.grad_accum_steps)
+    return spmd.make_eval_step(graphdef, mesh, r, plan)
 
 
 def batch_shardings(mesh: Mesh, rules) -> dict[str, NamedSharding]:

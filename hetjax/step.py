@@ -88,9 +88,18 @@ def apply_gradients(state: TrainState, tx, schedule, grads, loss_sum, count):
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def make_eval_step(graphdef, mesh: Mesh, rules):
+def make_eval_step(graphdef, mesh: Mesh, rules, micro_batches: int = 1):
+    """(params, batch) -> {"loss_sum", "tokens"}, over `micro_batches` parts of the batch
+    in turn as the train step takes them, so that an eval fits where a step fits."""
     def eval_step(params, batch):
         with sharding.logical_rules(mesh, rules):
-            loss_sum, count = loss_sums(params, graphdef, batch)
+            if micro_batches == 1:
+                loss_sum, count = loss_sums(params, graphdef, batch)
+            else:
+                def add(carry, mb):
+                    return jax.tree.map(jnp.add, carry, loss_sums(params, graphdef, mb)), None
+
+                micro = jax.tree.map(lambda x: split_micro(x, micro_batches), batch)
+                loss_sum, count = jax.lax.scan(add, (jnp.zeros(()), jnp.zeros(())), micro)[0]
         return {"loss_sum": loss_sum, "tokens": count}
     return eval_step

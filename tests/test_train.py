@@ -17,6 +17,7 @@ from hetjax import config as config_lib, program
 from hetjax import data, step, train
 from hetjax.config import Config, MeshConfig, ModelConfig, OptimConfig
 from hetjax.errors import TrainingDiverged
+from hetjax.mesh import make_mesh
 from hetjax.optim import decay_mask, learning_rate_schedule, make_optimizer
 from tests.test_sharding import build
 
@@ -70,6 +71,26 @@ def test_gradient_accumulation_changes_memory_not_the_result():
         np.testing.assert_allclose([a["loss"], a["grad_norm"]], [b["loss"], b["grad_norm"]], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_the_eval_step_takes_the_batch_in_the_train_steps_micro_batches():
+    """Accumulation is there to fit memory, and the eval step used to hold the whole
+    batch's logits anyway: an eval that the train step's check passed could run out."""
+    cfg = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, vocab_size=4096), batch_size=16, seq_len=32)
+    sums, temp = [], []
+    for accum in (1, 4):
+        c = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_accum_steps=accum))
+        mesh = make_mesh(c.mesh, jax.devices()[:8])
+        prog = program.build(c, mesh)
+        jitted = prog.jit_eval_step()
+        batch = data.build(c).batch(0, prog.batch_shardings)
+        sums.append(jax.device_get(jitted(prog.init_state().params, batch)))
+        temp.append(jitted.lower(prog.state.params, prog.abstract_batch()).compile().memory_analysis()
+                    .temp_size_in_bytes)
+    assert sums[0]["tokens"] == sums[1]["tokens"] > 0
+    np.testing.assert_allclose(sums[0]["loss_sum"], sums[1]["loss_sum"], rtol=1e-5)
+    logits = cfg.batch_size * cfg.seq_len * cfg.model.vocab_size * 4 // 8  # fp32 bytes per device
+    assert temp[1] < temp[0] - logits / 4, (temp, logits)  # 1/2 of it measured (CPU, 8 devices)
 
 
 def test_bf16_compute_keeps_fp32_master_weights():
