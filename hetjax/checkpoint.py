@@ -347,12 +347,7 @@ class Manager:
         those written at save time."""
         where = self.where(step)
         small = self.read_json(step, "meta", *json_items)
-        if check is not None:
-            check(small.get("config"), where)
-        saved = {k: self._item_metadata(step, k, where) for k in arrays}
-        check_shapes(saved["params"], arrays["params"][0], where, small.get("config"))
-        if "opt_state" in arrays:
-            check_optimizer(saved["opt_state"], arrays["opt_state"][0], where, small.get("config"))
+        saved = self._fits(step, small.get("config"), {k: a for k, (a, _) in arrays.items()}, check)
         wanted = {k: aot.abstract(a, s) for k, (a, s) in arrays.items()}
         try:  # as saved (a bf16 import, a run whose param_dtype changed): its checksums are of those bits
             loaded = self._manager.restore(step, args=ocp.args.Composite(
@@ -367,6 +362,27 @@ class Manager:
         cast = {k: jax.tree.map(lambda x, w: x if x.dtype == w.dtype else x.astype(w.dtype), loaded[k], wanted[k])
                 for k in arrays}
         return small, ocp.args.Composite(**cast)
+
+    def check_usable(self, step: int, arrays: dict, check=None) -> None:
+        """read()'s checks that need no array, before anything compiles: check(saved config,
+        where) and the saved shapes of `arrays` (name -> abstract tree). A ConfigError for a
+        checkpoint this run cannot use; a damaged one passes (read() sets it aside)."""
+        try:
+            config = self.read_json(step, "config").get("config")
+            self._fits(step, config, arrays, check)
+        except CorruptCheckpoint:
+            pass
+
+    def _fits(self, step: int, config: dict | None, arrays: dict, check=None) -> dict:
+        """The saved metadata of `arrays` (name -> abstract tree), checked against them."""
+        where = self.where(step)
+        if check is not None:
+            check(config, where)
+        saved = {k: self._item_metadata(step, k, where) for k in arrays}
+        check_shapes(saved["params"], arrays["params"], where, config)
+        if "opt_state" in arrays:
+            check_optimizer(saved["opt_state"], arrays["opt_state"], where, config)
+        return saved
 
     def stacked_layers(self, step: int) -> int | None:
         """How many layers checkpoint `step` stacks (padding rows included), from its

@@ -32,6 +32,36 @@ def find_checkpoint_dir(path: str | Path) -> tuple[Path, int | None]:
         f"checkpoints/ directory, one step directory in it, or the output of `python -m hetjax.convert import`")
 
 
+def check_params(path: str | Path, abstract_params, log=print, split=None, model=None) -> None:
+    """load_params' checks of the checkpoint it would read, from metadata only, so that a
+    checkpoint this run cannot use is refused before anything compiles: the split, the
+    parameter shapes, and a warning where `model`'s norm or RoPE settings differ."""
+    directory, step = find_checkpoint_dir(path)
+    manager = checkpoint.Manager(directory, read_only=True)
+    try:
+        for s in reversed(manager.steps() if step is None else [step]):
+            try:
+                saved = manager.read_json(s, "config").get("config")
+            except CorruptCheckpoint:
+                continue  # load_params reports it and tries an older one
+            manager.check_usable(s, {"params": abstract_params},
+                                 lambda config, where: _check(config, where, split, model, log))
+            return
+    finally:
+        manager.close()
+
+
+def _check(saved: dict | None, where: str, split, model, log) -> None:
+    check_split(saved, split, f"config.init_from: {where}",
+                "start from it with that split (config.mesh.pipeline and "
+                "config.pipeline.stage_layers), or give a checkpoint in the model's order (python "
+                "-m hetjax.convert export, then import, writes one)")
+    if model is not None and (differ := model_differences(saved, model)):
+        log(f"warning: config.init_from: {where} was written by a model with {', '.join(differ)}: "
+            f"these weights now compute another function than the one they were trained for. "
+            f"Set those flags to match, unless the change is meant (e.g. a longer context)")
+
+
 def load_params(path: str | Path, abstract_params, param_shardings, log=print, split=None, model=None):
     """Parameters only, from a checkpoint, laid out by `param_shardings`; verified. `split`:
     the uneven pipeline split whose padded rows `abstract_params` stacks (checkpoint_fit's
@@ -45,15 +75,7 @@ def load_params(path: str | Path, abstract_params, param_shardings, log=print, s
         for s in reversed(manager.steps() if step is None else [step]):
             where = manager.where(s)
             try:
-                saved = manager.read_json(s, "config").get("config")
-                check_split(saved, split, f"config.init_from: {where}",
-                            "start from it with that split (config.mesh.pipeline and "
-                            "config.pipeline.stage_layers), or give a checkpoint in the model's order (python "
-                            "-m hetjax.convert export, then import, writes one)")
-                if model is not None and (differ := model_differences(saved, model)):
-                    log(f"warning: config.init_from: {where} was written by a model with {', '.join(differ)}: "
-                        f"these weights now compute another function than the one they were trained for. "
-                        f"Set those flags to match, unless the change is meant (e.g. a longer context)")
+                _check(manager.read_json(s, "config").get("config"), where, split, model, log)
                 small, arrays = manager.read(s, {"params": (abstract_params, param_shardings)})
             except CorruptCheckpoint as e:
                 log(f"warning: {e}; trying an older one")

@@ -151,6 +151,28 @@ class MeshJob:
         if not compile_only:
             memory.check_fits(cfg, estimate, mesh)
 
+        if not compile_only:
+            self.checkpoints = checkpoint.Manager(checkpoint.default_dir(cfg), cfg.checkpoint,
+                                                  peer_timeout_s=cfg.hetero.timeout_s)
+            # An uneven split's padded rows: (3, 1) and (1, 3) have the same shapes, and a
+            # checkpoint of one would load into the other scrambled (checkpoint_fit.check_split).
+            split = tuple(cfg.pipeline.stage_layers) if prog.plan is not None and prog.plan.layout.padded else None
+            check = None if split is None else lambda config, where: checkpoint_fit.check_split(
+                config, split, where, "resume with that split (config.mesh.pipeline and "
+                                      "config.pipeline.stage_layers); no other uneven split can read this checkpoint")
+            # The checkpoint to resume (or config.init_from's) must fit this run: said from
+            # its metadata before the compile, not after it. (An interleaved pipeline's layers
+            # are a permutation of the model's, of the same shapes.)
+            try:
+                if saved := self.checkpoints.steps():
+                    self.checkpoints.check_usable(saved[-1], {"params": prog.state.params,
+                                                              "opt_state": prog.state.opt_state}, check)
+                elif cfg.init_from:
+                    checkpoint_init.check_params(cfg.init_from, prog.state.params, log, split, cfg.model)
+            except BaseException:
+                self.checkpoints.close()  # no orbax thread outlives a refused start
+                raise
+
         t0 = time.perf_counter()
         self.compiled = prog.compile_train_step()
         log(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
@@ -159,18 +181,10 @@ class MeshJob:
         self.run_dir = Path(cfg.run_dir)
         if jax.process_index():  # one writer of run_dir's files per job: process 0
             self.run_dir = self.run_dir / "processes" / str(jax.process_index())
-        self.checkpoints = checkpoint.Manager(checkpoint.default_dir(cfg), cfg.checkpoint,
-                                              peer_timeout_s=cfg.hetero.timeout_s)
         if prog.plan is not None and prog.plan.layout.virtual > 1:
             self.checkpoints = ModelOrderCheckpoints(self.checkpoints, prog.plan.layout, prog.state_shardings)
-        # An uneven split's padded rows: (3, 1) and (1, 3) have the same shapes, and a
-        # checkpoint of one would load into the other scrambled (checkpoint_fit.check_split).
-        split = tuple(cfg.pipeline.stage_layers) if prog.plan is not None and prog.plan.layout.padded else None
         # Resume the run's own checkpoint if it has one (same run_dir, no flag); else
         # start from config.init_from's weights; else initialise.
-        check = None if split is None else lambda config, where: checkpoint_fit.check_split(
-            config, split, where, "resume with that split (config.mesh.pipeline and config.pipeline.stage_layers); "
-                                  "no other uneven split can read this checkpoint")
         restored = self.checkpoints.restore_latest(prog.state, prog.state_shardings, log, check)
         if restored is not None:
             self.state, self.start = restored.state, restored.step
@@ -178,7 +192,7 @@ class MeshJob:
                 f"(parameter checksum {checkpoint.params_checksum_of(restored.meta)})")
         elif cfg.init_from:
             params = checkpoint_init.load_params(cfg.init_from, prog.state.params, prog.state_shardings.params,
-                                                 log, split, cfg.model)
+                                                 log, split)  # check_params warned of model differences
             if isinstance(self.checkpoints, ModelOrderCheckpoints):
                 params = self.checkpoints.to_pipeline(params, prog.state_shardings.params)
             self.state, self.start = checkpoint_init.fresh_state(params, prog.tx, prog.state_shardings), cfg.data.start_step

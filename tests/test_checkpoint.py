@@ -405,7 +405,7 @@ def test_a_tool_writing_into_a_checkpoint_directory_deletes_no_step(tmp_path):
     assert checkpoint.Manager(tmp_path / "ck", read_only=True).steps() == [5, 10, 20, 30]
 
 
-def test_init_from_starts_a_new_run_from_saved_weights(tmp_path, saved):
+def test_init_from_starts_a_new_run_from_saved_weights(tmp_path, saved, monkeypatch):
     m = CFG.model
     args = ["--config", "tiny.py", "--config.steps=1", "--config.eval_every=0", "--config.tensorboard=false",
             "--config.mesh.fsdp=8", "--config.peak_tflops=1", f"--config.batch_size={CFG.batch_size}",
@@ -427,6 +427,17 @@ def test_init_from_starts_a_new_run_from_saved_weights(tmp_path, saved):
     assert counts and set(counts) == {1}  # a fresh optimizer: one update
     with pytest.raises(ConfigError, match="config.init_from"):
         train.main([*args, f"--config.run_dir={tmp_path / 'c'}", f"--config.init_from={tmp_path / 'nope'}"])
+    # A checkpoint of another shape, to start from or to resume, is refused from its metadata
+    # before the step compiles (it used to be read, and refused, after a full compile).
+    def no_compile(*a, **k):
+        raise AssertionError("compiled before refusing the checkpoint")
+    monkeypatch.setattr(train.aot, "compile", no_compile)
+    wider = [a for a in args if "mlp_dim" not in a] + ["--config.model.mlp_dim=128"]
+    with pytest.raises(ConfigError, match=r"'blocks/mlp/down_FD' has shape \(2, 64, 32\) there but \(2, 128, 32\)"):
+        train.main([*wider, f"--config.run_dir={tmp_path / 'e'}", f"--config.init_from={saved[0]}"])
+    shutil.copytree(saved[0], tmp_path / "f" / "checkpoints")
+    with pytest.raises(ConfigError, match=r"checkpoint step 4 .* 'blocks/mlp/down_FD' has shape"):
+        train.main([*wider, f"--config.run_dir={tmp_path / 'f'}", "--config.steps=6"])
     (tmp_path / "model.safetensors").write_bytes(b"not a checkpoint directory")
     with pytest.raises(ConfigError, match="config.init_from=.*model.safetensors' holds no checkpoint"):
         train.main([*args, f"--config.run_dir={tmp_path / 'd'}", f"--config.init_from={tmp_path / 'model.safetensors'}"])
