@@ -32,6 +32,21 @@ def find_checkpoint_dir(path: str | Path) -> tuple[Path, int | None]:
         f"checkpoints/ directory, one step directory in it, or the output of `python -m hetjax.convert import`")
 
 
+def saved_config(path: str | Path) -> dict | None:
+    """The config saved with the checkpoint load_params would read first (None if none)."""
+    directory, step = find_checkpoint_dir(path)
+    manager = checkpoint.Manager(directory, read_only=True)
+    try:
+        for s in reversed(manager.steps() if step is None else [step]):
+            try:
+                return manager.read_json(s, "config").get("config")
+            except CorruptCheckpoint:
+                continue
+    finally:
+        manager.close()
+    return None
+
+
 def check_params(path: str | Path, abstract_params, log=print, split=None, model=None) -> None:
     """load_params' checks of the checkpoint it would read, from metadata only, so that a
     checkpoint this run cannot use is refused before anything compiles: the split, the

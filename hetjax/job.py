@@ -18,7 +18,8 @@ from hetjax import stop as stop_lib
 from hetjax.compile import backend
 from hetjax.errors import ConfigError
 from hetjax.mesh import describe, make_mesh
-from hetjax.pipeline.stages import StageLayout, permute_layers
+from hetjax import state as state_lib
+from hetjax.pipeline.stages import StageLayout, permute_layers, to_stages
 
 
 class Checkpoints(Protocol):
@@ -124,6 +125,14 @@ def _local_devices(cfg, platform: str, processes: int) -> int:
                       f"--config.mesh.fsdp=N), or set CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES")
 
 
+def _init_layout(cfg, prog, split) -> tuple[bool, Any]:
+    """(whether config.init_from's checkpoint holds the model's layer order while this run
+    stacks an uneven split's padded rows, the abstract state to read it as)."""
+    if split is not None and checkpoint_fit.padded_split(checkpoint_init.saved_config(cfg.init_from)) is None:
+        return True, state_lib.abstract_state(cfg.model, cfg.seed, prog.tx)[1]
+    return False, prog.state
+
+
 class MeshJob:
     """A training job on one mesh (no islands): builds its program abstractly first,
     compiles, and restores or initialises the state."""
@@ -168,7 +177,9 @@ class MeshJob:
                     self.checkpoints.check_usable(saved[-1], {"params": prog.state.params,
                                                               "opt_state": prog.state.opt_state}, check)
                 elif cfg.init_from:
-                    checkpoint_init.check_params(cfg.init_from, prog.state.params, log, split, cfg.model)
+                    model_order, abstract = _init_layout(cfg, prog, split)
+                    checkpoint_init.check_params(cfg.init_from, abstract.params, log,
+                                                 None if model_order else split, cfg.model)
             except BaseException:
                 self.checkpoints.close()  # no orbax thread outlives a refused start
                 raise
@@ -190,9 +201,16 @@ class MeshJob:
             self.state, self.start = restored.state, restored.step
             log(f"resumed from step {self.start} of {self.checkpoints.directory} "
                 f"(parameter checksum {checkpoint.params_checksum_of(restored.meta)})")
-        elif cfg.init_from:
-            params = checkpoint_init.load_params(cfg.init_from, prog.state.params, prog.state_shardings.params,
-                                                 log, split)  # check_params warned of model differences
+        elif cfg.init_from:  # check_params warned of model differences
+            model_order, abstract = _init_layout(cfg, prog, split)
+            if model_order:  # an unpipelined run's or an import's layers, into the split's padded rows
+                shardings = sharding.state_shardings(abstract, mesh, cfg.sharding.rules)  # layers whole per stage
+                params = checkpoint_init.load_params(cfg.init_from, abstract.params, shardings.params, log)
+                params = jax.jit(lambda p: to_stages(p, prog.plan.layout),
+                                 out_shardings=prog.state_shardings.params)(params)
+            else:
+                params = checkpoint_init.load_params(cfg.init_from, prog.state.params, prog.state_shardings.params,
+                                                     log, split)
             if isinstance(self.checkpoints, ModelOrderCheckpoints):
                 params = self.checkpoints.to_pipeline(params, prog.state_shardings.params)
             self.state, self.start = checkpoint_init.fresh_state(params, prog.tx, prog.state_shardings), cfg.data.start_step

@@ -134,6 +134,12 @@ def no_compile(monkeypatch):
     (["--config.run_dir="], r"config.run_dir='': give the run's directory"),
     (["--config.model.attention_impl=cudnn"], r"attention_impl='cudnn' runs on CUDA GPUs only, and this run is on cpu"),
     (["--config.steps=2", "--config.profile_steps=5:7"], r"step 5 is not below config.steps=2"),
+    # The same when config.mesh.pipeline=-1 comes to 1 stage on this mesh (and an uneven split).
+    (["--config.mesh.pipeline=-1", "--config.mesh.fsdp=8", "--config.pipeline.virtual_stages=2",
+      "--config.pipeline.schedule=1f1b_fused"], r"config.pipeline.virtual_stages=2 with config.mesh.pipeline=-1, "
+                                                r"which is 1 stage on this mesh"),
+    (["--config.mesh.pipeline=-1", "--config.mesh.fsdp=8", "--config.model.num_layers=4",
+      "--config.pipeline.stage_layers=(1,3)"], r"config.pipeline.stage_layers=\(1, 3\) with config.mesh.pipeline=-1"),
     # Interleaved chunks without pipeline stages used to train plain fsdp under the V=2 name.
     (["--config.pipeline.virtual_stages=2", "--config.pipeline.schedule=1f1b_fused"],
      r"config.pipeline.virtual_stages=2 with config.mesh.pipeline=1: .* set config.mesh.pipeline > 1"),

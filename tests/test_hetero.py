@@ -212,6 +212,9 @@ def test_bad_island_configs_are_refused_naming_the_field(hetero, match):
     ({"pipeline.microbatches": "1"}, {"placement": "data", "islands": (
         IslandConfig(name="a", devices_per_process=2, mesh=MeshConfig(pipeline=2, fsdp=1)), IslandConfig(name="b"))},
      "islands\\[0\\].mesh.pipeline=2: config.pipeline.microbatches=1 is smaller"),
+    ({"pipeline.stage_layers": "(1,3)", "model.num_layers": "4"}, {"placement": "data", "islands": (
+        IslandConfig(name="a", devices_per_process=2, mesh=MeshConfig(pipeline=2, fsdp=1)), IslandConfig(name="b"))},
+     "islands\\[0\\].mesh.pipeline=2 with uneven config.pipeline.stage_layers=\\(1, 3\\)"),
     ({"pipeline.virtual_stages": "2", "pipeline.schedule": "1f1b_fused"}, {"placement": "data"},
      "virtual_stages=2 with config.hetero.placement='data'"),
     ({}, {"placement": "data", "island_layers": (1, 1)}, "island_layers=\\(1, 1\\) / auto_split=False with "
@@ -226,6 +229,18 @@ def test_bad_island_configs_are_refused_naming_the_field(hetero, match):
 def test_bad_job_settings_for_islands_are_refused_naming_the_field(overrides, hetero, match):
     with pytest.raises(ConfigError, match=match):
         validate(tiny_islands(overrides, **hetero))
+
+
+def test_an_island_s_own_pipeline_is_checked_against_its_share_of_the_batch():
+    """Data placement: island a (2 stages, 4 micro-batches) takes 4 of 6 rows, which was
+    refused because 6, the whole batch, does not divide by 4."""
+    from hetjax.hetero import placement
+    cfg = tiny_islands({"batch_size": "6", "model.num_layers": "4", "pipeline.schedule": "gpipe",
+                        "pipeline.microbatches": "4"}, placement="data", islands=(
+        IslandConfig(name="a", devices_per_process=2, mesh=MeshConfig(pipeline=2, fsdp=1)),
+        IslandConfig(name="b", devices_per_process=1, mesh=MeshConfig(fsdp=1))))
+    validate(cfg)
+    assert placement.batch_shares(cfg) == ((0, 4), (4, 2))
 
 
 def test_a_micro_batch_must_split_over_the_mesh_axes_the_batch_rule_names():

@@ -90,10 +90,16 @@ def validate_hetero(cfg) -> None:
                 f"{island.devices_per_process} = {devices} devices; make the sizes multiply to "
                 f"{devices} (one may be -1)")
         if h.placement == "data" and island.mesh.pipeline != 1:
-            try:  # the island runs its own pipeline: the same rules as config.mesh.pipeline's
-                validate_pipeline(dataclasses.replace(cfg, mesh=island.mesh))
+            try:  # the island runs its own pipeline: the same rules as config.mesh.pipeline's,
+                # on its share of the batch (placement.batch_shares checks that share)
+                validate_pipeline(dataclasses.replace(cfg, mesh=island.mesh), check_batch=False)
             except ConfigError as e:
                 raise ConfigError(f"{where}.mesh.pipeline={island.mesh.pipeline}: {e}") from None
+            if len(set(cfg.pipeline.stage_layers)) > 1:
+                raise ConfigError(
+                    f"{where}.mesh.pipeline={island.mesh.pipeline} with uneven config.pipeline.stage_layers="
+                    f"{tuple(cfg.pipeline.stage_layers)}: islands exchange gradients in the model's layout, so "
+                    f"split the layers evenly inside an island (stage_layers=())")
     if h.placement not in PLACEMENTS:
         raise ConfigError(f"config.hetero.placement={h.placement!r}: choose one of {PLACEMENTS}")
     if cfg.mesh.pipeline not in (1, -1):

@@ -35,8 +35,9 @@ class PipelineConfig:
     recompute: bool = False
 
 
-def validate_pipeline(cfg) -> None:
-    """Raises ConfigError unless cfg.pipeline fits cfg.mesh.pipeline stages (cfg: a Config)."""
+def validate_pipeline(cfg, check_batch: bool = True) -> None:
+    """Raises ConfigError unless cfg.pipeline fits cfg.mesh.pipeline stages (cfg: a Config);
+    check_batch=False leaves cfg.batch_size alone (an island's share of it is checked apart)."""
     p, stages = cfg.pipeline, cfg.mesh.pipeline
     if p.schedule not in PIPELINE_SCHEDULES:
         raise ConfigError(f"config.pipeline.schedule={p.schedule!r}: choose one of {PIPELINE_SCHEDULES}")
@@ -90,7 +91,7 @@ def validate_pipeline(cfg) -> None:
             f"config.pipeline.microbatches={p.microbatches} is smaller than the {stages} pipeline "
             f"stages: 1F1B never fills the pipeline; use at least {stages} micro-batches, or "
             f"config.pipeline.schedule='gpipe'")
-    if cfg.batch_size % p.microbatches:
+    if check_batch and cfg.batch_size % p.microbatches:
         raise ConfigError(
             f"config.batch_size={cfg.batch_size} is not divisible by config.pipeline.microbatches="
             f"{p.microbatches}; make the batch a multiple of the micro-batch count")

@@ -74,6 +74,15 @@ def make_plan(cfg, mesh: Mesh) -> Plan | None:
     """The config's pipeline on this mesh, or None when mesh.pipeline is 1."""
     S = mesh.shape[AXIS]
     if S == 1:
+        p = cfg.pipeline  # config.mesh.pipeline=-1 that came to 1 (an island's mesh may hold no pipeline)
+        given = [f"config.pipeline.{k}={v}" for k, v in (("virtual_stages", p.virtual_stages),
+                                                         ("stage_layers", tuple(p.stage_layers)))
+                 if (k == "virtual_stages" and v > 1) or (k == "stage_layers" and v)]
+        if given and not cfg.hetero.islands:
+            raise ConfigError(
+                f"{' and '.join(given)} with config.mesh.pipeline={cfg.mesh.pipeline}, which is 1 stage on this "
+                f"mesh: there are no stages to interleave or split; give config.mesh.pipeline a size > 1, or "
+                f"drop {'them' if len(given) > 1 else 'it'}")
         return None
     M = cfg.pipeline.microbatches
     V = cfg.pipeline.virtual_stages
