@@ -63,6 +63,9 @@ def peak_memory_gib(devices) -> float | None:
     return max(peaks) / 2**30 if peaks else None
 
 
+HOST_CPUS_VARIABLE = "HETJAX_HOST_CPUS"  # the cores launch.local shared out among its CPU processes
+
+
 def measure_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of an fp32 matmul on this host: the CPU stand-in for a peak table."""
     device = jax.local_devices()[0]
@@ -83,7 +86,13 @@ def peak_flops(cfg, devices) -> tuple[float, str]:
         return cfg.peak_tflops * 1e12 * len(devices), "config.peak_tflops"
     kind = devices[0].device_kind
     if devices[0].platform == "cpu":
-        # Virtual CPU devices share the host's cores: the host rate is the whole peak.
+        # Virtual CPU devices share the host's cores: the host rate is the whole peak. A
+        # process that launch.local pinned to a share of them measures that share: scaled
+        # up to the cores the launcher had.
+        cores, mine = int(os.environ.get(HOST_CPUS_VARIABLE) or 0), len(os.sched_getaffinity(0))
+        if cores > mine:
+            return (measure_cpu_matmul_flops() * cores / mine,
+                    f"measured fp32 matmul on {mine} of this host's {cores} cores, x {cores}/{mine}")
         return measure_cpu_matmul_flops(), "measured fp32 matmul on this host"
     hw = hardware.for_device_kind(kind)
     if hw is not None:
@@ -121,15 +130,38 @@ def validate_wandb(w: WandbConfig) -> None:
 
 
 def _wandb_logged_in() -> bool:
+    """Whether wandb will find a key: WANDB_API_KEY, or ~/.netrc's entry for the server,
+    which `wandb login` keys by host and port; the server is WANDB_BASE_URL, else the one
+    `wandb login --host` kept in wandb's settings file, else wandb's default."""
     if os.environ.get("WANDB_API_KEY"):
         return True
+    import configparser
     import netrc
     from urllib.parse import urlparse
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    url = os.environ.get("WANDB_BASE_URL")
+    if not url:
+        settings = configparser.ConfigParser()
+        folder = os.environ.get("WANDB_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".config", "wandb")
+        try:
+            settings.read(os.path.join(folder, "settings"))
+        except configparser.Error:
+            pass
+        url = settings.get("default", "base_url", fallback=_wandb_default_url())
+    parsed = urlparse(url)
     try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+        entries = netrc.netrc(os.environ.get("NETRC"))
     except (OSError, netrc.NetrcParseError):
         return False
+    return any(entries.authenticators(h) is not None for h in (parsed.netloc, parsed.hostname) if h)
+
+
+def _wandb_default_url() -> str:
+    """wandb's own default server (it changed from api.wandb.ai in wandb 0.31)."""
+    try:
+        from wandb.sdk.lib import urls
+        return urls.DEFAULT_BASE_URL
+    except (ImportError, AttributeError):
+        return "https://api.wandb.ai"
 
 
 class WandbRun:

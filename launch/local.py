@@ -37,7 +37,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from hetjax import cli as cli_lib  # `cli` below is the console entry point
-from hetjax import config as config_lib
+from hetjax import config as config_lib, metrics
 from hetjax.compile import backend
 from hetjax.config import Config, ConfigError
 from hetjax.hetero import runtime, scheduler
@@ -303,6 +303,7 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
             share = next(shares, None) if cpu else None
             if share:
                 env[runtime.CPUS_VARIABLE] = ",".join(map(str, share))
+                env[metrics.HOST_CPUS_VARIABLE] = str(len(os.sched_getaffinity(0)))  # the MFU's whole peak
             popen = subprocess.Popen(command + ["--config", config] + args, cwd=os.getcwd(),
                                      env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, errors="replace",

@@ -4,6 +4,7 @@ carry a warm-up, and the activation bytes the memory check expects."""
 
 import dataclasses
 import json
+import os
 import time
 
 import jax
@@ -102,6 +103,19 @@ def test_island_processes_measure_mfu_against_the_whole_jobs_peak_as_virtual_isl
     assert processes == pytest.approx([virtual, virtual])
     on_two_hosts = [{"peak": 1e11, "source": "measured", "host": h} for h in ("a", "b", "b")]
     assert peaks.job_peak(on_two_hosts)[0] == 2e11
+
+    # A process pinned to a share of the cores (launch.local's islands and processes)
+    # measures that share; the host's peak is the whole, as above. Pinned for real here.
+    everything = os.sched_getaffinity(0)
+    if len(everything) > 1:
+        monkeypatch.setenv(metrics.HOST_CPUS_VARIABLE, str(len(everything)))  # as launch.local sets it
+        try:
+            os.sched_setaffinity(0, {min(everything)})
+            peak, source = metrics.peak_flops(cfg, cpus[:2])
+        finally:
+            os.sched_setaffinity(0, everything)
+        assert peak == pytest.approx(1e11 * len(everything)), source
+        assert f"on 1 of this host's {len(everything)} cores" in source
 
 
 # -- the activation estimate against XLA's own figure ---------------------------------------

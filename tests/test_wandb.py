@@ -98,6 +98,34 @@ def test_an_online_run_without_a_wandb_login_is_refused_before_compiling(monkeyp
     validate(Config(wandb=WandbConfig(project="p")))
 
 
+def test_a_login_to_a_self_hosted_server_is_found_where_wandb_finds_it(monkeypatch, tmp_path):
+    """`wandb login` keys .netrc by host and port, and `wandb login --host URL` keeps the
+    server in wandb's settings file: both logins were refused as "not logged in"."""
+    from urllib.parse import urlparse
+    wandb = pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("".join(f"machine {m}\n  login user\n  password {'x' * 40}\n"
+                             for m in ("wandb.example.com:8443", "wandb.corp.example")))
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb"))
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com:8443")
+    validate(Config(wandb=WandbConfig(project="p")))
+    monkeypatch.delenv("WANDB_BASE_URL")
+    with pytest.raises(ConfigError, match="not logged in"):  # wandb's default server has no entry
+        validate(Config(wandb=WandbConfig(project="p")))
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "settings").write_text("[default]\nbase_url = https://wandb.corp.example\n")
+    validate(Config(wandb=WandbConfig(project="p")))
+    # And a login to wandb's own default server, whichever it is in this version.
+    (tmp_path / "wandb" / "settings").unlink()
+    default = urlparse(wandb.Settings().base_url).netloc
+    netrc.write_text(f"machine {default}\n  login user\n  password {'x' * 40}\n")
+    validate(Config(wandb=WandbConfig(project="p")))
+
+
 def test_a_wandb_project_without_wandb_installed_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     with pytest.raises(MissingExtra, match=r"config\.wandb\.project='p'.*pip install 'hetjax\[wandb\]'"):
