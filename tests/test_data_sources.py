@@ -174,3 +174,42 @@ def test_prepare_command_line(tmp_path):
                        f"--config.run_dir={tmp_path / 'run'}"]) == 0
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2]
+
+
+@pytest.mark.parametrize("source", ["text", "jsonl"])
+def test_train_and_eval_rows_read_from_two_threads_at_once_are_their_own(tmp_path, source):
+    """The train split (read in grain's prefetch thread) and the eval split (the training
+    loop's thread) share one source's open files: with a shared file position one thread
+    read the other's document (silently wrong text rows; "not JSON" from JSONL)."""
+    import random
+    import threading
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(rng.randint(5, 40)))
+             for _ in range(2000)]
+    path = tmp_path / "corpus.txt"
+    if source == "text":
+        path.write_text("\n".join(texts) + "\n")
+    else:
+        write_jsonl(path, texts)
+    d = data.build(cfg_for(path, source, eval_fraction=0.2))
+    rows = lambda split, s: split.rows(np.arange(s * 8, s * 8 + 8))["inputs"]  # noqa: E731
+    want = {"train": [rows(d.train, s) for s in range(50)], "eval": [rows(d.eval, s) for s in range(20)]}
+    got, errors = {"train": 0, "eval": 0}, []
+
+    def read(name, split, reps):
+        for _ in range(reps):
+            for s, expected in enumerate(want[name]):
+                try:
+                    got[name] += not np.array_equal(rows(split, s), expected)
+                except Exception as e:  # noqa: BLE001 - counted: the old code raised "not JSON" here
+                    errors.append(repr(e))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switches as often as the two threads allow
+    try:
+        t = threading.Thread(target=read, args=("train", d.train, 16))
+        t.start()
+        read("eval", d.eval, 40)
+        t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert got == {"train": 0, "eval": 0} and not errors, (got, errors[:2])

@@ -180,10 +180,11 @@ class TextSource:
     def __getitem__(self, i: int) -> np.ndarray:
         fi = int(self.file_ids[i])
         if fi not in self._handles:
-            self._handles[fi] = open(self.files[fi], "rb")
-        f = self._handles[fi]
-        f.seek(int(self.offsets[i]))
-        return self.tokenizer.encode(_parse(f.read(int(self.sizes[i])), self.fmt, self.field))
+            self._handles.setdefault(fi, open(self.files[fi], "rb"))
+        # pread, not seek + read: the train rows' prefetch thread and the eval reads share
+        # these files, and a shared file position let one read the other's document.
+        raw = os.pread(self._handles[fi].fileno(), int(self.sizes[i]), int(self.offsets[i]))
+        return self.tokenizer.encode(_parse(raw, self.fmt, self.field))
 
 
 def _save_atomic(path: Path, arrays: dict) -> None:
