@@ -293,10 +293,16 @@ class Manager:
         None if there is none. Damaged ones are reported and moved to `corrupt/`.
         check(saved config, where): a ConfigError for a checkpoint this run cannot use,
         raised before any of its arrays is read."""
-        for step in reversed(self.steps()):
+        steps = self.steps()
+        for step in reversed(steps):
             if (restored := self.restore_together(step, abstract_state, shardings, log, check)) is not None:
                 return restored
             self.move_aside(step, log)
+        if steps:  # a run that silently began again from step 0 would look like a resumed one
+            raise CheckpointError(
+                f"none of the {len(steps)} checkpoints in {self.directory} could be read (steps {steps}; each "
+                f"was moved to {self.directory.parent / CORRUPT_DIR}, nothing deleted, and the warnings above "
+                f"say why): move one back once its cause is mended, or start again to train from step 0")
         return None
 
     def restore_together(self, step: int, abstract_state: TrainState, shardings: TrainState,
@@ -354,8 +360,12 @@ class Manager:
                 **{k: ocp.args.StandardRestore(saved_dtypes(wanted[k], saved[k])) for k in arrays}))
         except Exception as e:
             message = f"{where} is unreadable ({type(e).__name__}: {e})"
+            exhausted = isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)
             orbax_noise.close_abandoned_tasks(e)
             del e
+            if exhausted:  # not damage: the checkpoint stays where it is
+                raise CheckpointError(f"reading {where} ran out of memory ({message}); nothing was moved: "
+                                      f"restore onto more devices, or free memory, and start again") from None
             raise CorruptCheckpoint(message) from None
         expected = {k: v for k, v in small.meta.get("checksums", {}).items() if k.split("/")[0] in arrays}
         verify(expected, {k: loaded[k] for k in arrays}, where)

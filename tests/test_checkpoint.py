@@ -225,6 +225,36 @@ def test_a_damaged_latest_checkpoint_is_reported_and_skipped(tmp_path, damage, s
     assert [p.name.split("-")[1] for p in (tmp_path / "corrupt").iterdir()] == ["4"]
 
 
+def test_a_run_whose_every_checkpoint_fails_stops_instead_of_starting_again(tmp_path, saved, monkeypatch):
+    """Every step damaged: each is set aside, and the start stops, saying so, where it used
+    to go on from step 0 as if nothing had been saved. A read that runs out of memory is not
+    damage: it stops the start and moves nothing (it used to move every step aside)."""
+    abstract, shardings = abstract_for(MeshConfig(fsdp=8), 8)
+    shutil.copytree(saved[0], tmp_path / "oom")
+    import orbax.checkpoint as ocp
+    real = ocp.CheckpointManager.restore
+
+    def exhausted(self, step, *a, args=None, **k):
+        if args is not None and "params" in args.keys():
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.00GiB")
+        return real(self, step, *a, args=args, **k)
+    with monkeypatch.context() as m:
+        m.setattr(ocp.CheckpointManager, "restore", exhausted)
+        with pytest.raises(checkpoint.CheckpointError, match=r"step 4 .* ran out of memory .* nothing was moved"):
+            checkpoint.Manager(tmp_path / "oom").restore_latest(abstract, shardings)
+    assert sorted(p.name for p in (tmp_path / "oom").iterdir() if p.name.isdigit()) == ["2", "4"]
+    assert not (tmp_path / checkpoint.CORRUPT_DIR).exists()
+
+    shutil.copytree(saved[0], tmp_path / "ck")
+    for step in ("2", "4"):
+        damage_params(tmp_path / "ck" / step, "overwrite")
+    log = []
+    with pytest.raises(checkpoint.CheckpointError, match=r"none of the 2 checkpoints .* could be read"):
+        checkpoint.Manager(tmp_path / "ck").restore_latest(abstract, shardings, log=log.append)
+    assert sorted(p.name.split("-")[1] for p in (tmp_path / checkpoint.CORRUPT_DIR).iterdir()) == ["2", "4"]
+    assert checkpoint.Manager(tmp_path / "ck").restore_latest(abstract, shardings) is None  # the next start: step 0
+
+
 def abandoned_tasks() -> int:
     """Tasks pending on a closed event loop: what a failed orbax restore leaves behind."""
     return sum(1 for o in gc.get_objects() if issubclass(type(o), asyncio.Task) and not o.done()
