@@ -383,6 +383,14 @@ class Manager:
         except CorruptCheckpoint:
             pass
 
+    def read_json_or_none(self, step: int, item: str):
+        """JSON item `item` of checkpoint `step`, None when it is unreadable (damage that
+        read() will find and report)."""
+        try:
+            return self.read_json(step, item).get(item)
+        except CorruptCheckpoint:
+            return None
+
     def _fits(self, step: int, config: dict | None, arrays: dict, check=None) -> dict:
         """The saved metadata of `arrays` (name -> abstract tree), checked against them."""
         where = self.where(step)
@@ -438,6 +446,14 @@ def params_checksum_of(meta: dict) -> str:
 
 def default_dir(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
+
+
+def check_not_past(cfg, step: int, directory) -> None:
+    """Refuses to resume at `step` beyond config.steps: the final save would label step
+    `step`'s state as config.steps."""
+    if step > cfg.steps:
+        raise ConfigError(f"config.steps={cfg.steps}: {directory} already holds step {step}; raise "
+                          f"config.steps to train on, or give a new config.run_dir")
 
 
 def check_layout_kind(cfg) -> None:

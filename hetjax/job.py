@@ -16,6 +16,7 @@ import numpy as np
 from hetjax import checkpoint, checkpoint_fit, checkpoint_init, memory, metrics, program, repro, sharding
 from hetjax import stop as stop_lib
 from hetjax.compile import backend
+from hetjax.data.pipeline import check_saved_state
 from hetjax.errors import ConfigError
 from hetjax.mesh import describe, make_mesh
 from hetjax import state as state_lib
@@ -174,8 +175,11 @@ class MeshJob:
             # are a permutation of the model's, of the same shapes.)
             try:
                 if saved := self.checkpoints.steps():
+                    checkpoint.check_not_past(cfg, saved[-1], self.checkpoints.directory)
                     self.checkpoints.check_usable(saved[-1], {"params": prog.state.params,
                                                               "opt_state": prog.state.opt_state}, check)
+                    if (state := self.checkpoints.read_json_or_none(saved[-1], "data")) is not None:
+                        check_saved_state(state, dataset.fingerprint)
                 elif cfg.init_from:
                     model_order, abstract = _init_layout(cfg, prog, split)
                     checkpoint_init.check_params(cfg.init_from, abstract.params, log,

@@ -60,6 +60,16 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule
         decay_steps=decay_steps, end_value=cfg.learning_rate * cfg.min_lr_ratio)
 
 
+def updates_applied(opt_state):
+    """How many updates the optimizer's schedule has applied: the step whose rate the next
+    update takes (a run started at config.data.start_step counts from 0 there, and so does
+    its resume, where TrainState.step is the loop's step)."""
+    found = [s.count for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+             if isinstance(s, optax.ScaleByScheduleState)]
+    assert len(found) == 1, f"expected one schedule in the optimizer state, found {len(found)}"
+    return found[0]
+
+
 def decay_mask(params):
     """True where weight decay applies: every weight except norm scales and biases."""
     def is_weight(path, _):

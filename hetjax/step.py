@@ -9,7 +9,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from hetjax import sharding
+from hetjax import optim, sharding
 from hetjax.data import packing
 from hetjax.state import TrainState
 
@@ -82,7 +82,7 @@ def apply_gradients(state: TrainState, tx, schedule, grads, loss_sum, count):
     metrics = {
         "loss": loss_sum / count,
         "grad_norm": optax.tree.norm(grads),
-        "learning_rate": schedule(state.step),
+        "learning_rate": schedule(optim.updates_applied(state.opt_state)),  # the rate this update took
         "tokens": count,
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

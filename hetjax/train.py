@@ -73,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                     else MeshJob(cfg, dataset, log=log))
         signals.attach(job)
         state, start, batches, ckpt = job.state, job.start, job.batches, job.checkpoints
-        if start > cfg.steps:  # its final save would label step `start`'s state as config.steps
-            raise config_lib.ConfigError(f"config.steps={cfg.steps}: {ckpt.directory} already holds step "
-                                         f"{start}; raise config.steps to train on, or give a new config.run_dir")
+        checkpoint.check_not_past(cfg, start, ckpt.directory)  # one mesh checked it before compiling
         flops_per_step, peak = job.flops_per_step(), job.peak
         floor = "" if dataset.floor is None else f"; its best possible loss is {dataset.floor:.4f}"
         print(f"MFU against {peak / 1e12:.3g} TFLOP/s ({job.peak_source}); data: {dataset.description}"

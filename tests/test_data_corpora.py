@@ -147,6 +147,9 @@ def test_bad_corpora_are_named(tmp_path):
                          ((("a", 0.0, "jsonl", "x"), ("b", 0, "jsonl", "y")), "sum to zero")):
         with pytest.raises(ConfigError, match=message):
             validate(Config(data=DataConfig(mixture=mix)))
+    # A mixture's sources hold out their own eval documents: an eval_path was silently ignored.
+    with pytest.raises(ConfigError, match=r"config.data.eval_path='held.jsonl' with config.data.mixture"):
+        validate(Config(data=DataConfig(mixture=(("a", 1.0, "jsonl", "x"),), eval_path="held.jsonl")))
 
 
 def bpe_tokenizer(tmp_path, specials=("<unk>", "<|begin_of_text|>", "<|end_of_text|>")):

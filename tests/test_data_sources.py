@@ -54,6 +54,18 @@ def test_text_jsonl_and_prepared_array_record_give_the_same_documents(tmp_path):
         assert len(d.eval.lengths) >= 1 and len(d.train.lengths) + len(d.eval.lengths) == len(TEXT)
 
 
+def test_a_lone_carriage_return_stays_in_its_document_on_both_paths(tmp_path):
+    """Lines end at LF (a CR before it is dropped): the text source cut at a lone CR too,
+    so it read other documents from the same file than prepare does."""
+    (tmp_path / "c.txt").write_bytes(b"first line\rstill the first\r\nsecond line\n\rthird\n" * 3)
+    byte = tokenizers.ByteTokenizer()
+    text = sources.TextSource(str(tmp_path / "c.txt"), "text", byte, index_dir=str(tmp_path / "ix"))
+    prepare.prepare(str(tmp_path / "c.txt"), str(tmp_path / "ar"), progress=False, processes=1)
+    prepared = sources.ArrayRecordSource(str(tmp_path / "ar"))
+    docs = lambda src: [bytes(src[i].astype(np.uint8)) for i in range(len(src))]  # noqa: E731
+    assert docs(text) == docs(prepared) == [b"first line\rstill the first", b"second line", b"\rthird"] * 3
+
+
 def test_the_text_index_is_cached_and_rebuilt_when_the_file_changes(tmp_path):
     f = write_jsonl(tmp_path / "c.jsonl", TEXT)
     src = sources.TextSource(str(f), "jsonl", tokenizers.ByteTokenizer(), index_dir=str(tmp_path / "ix"))

@@ -145,7 +145,7 @@ def run_main(tmp_path, *overrides):
     return code, run_dir, rows
 
 
-def test_tiny_config_trains(tmp_path):
+def test_tiny_config_trains(tmp_path, monkeypatch):
     """The loss falls from ln(256) ~ 5.55 by at least 2 nats in 150 steps."""
     code, run_dir, rows = run_main(tmp_path, "--config.steps=150", "--config.eval_every=75",
                                    "--config.mesh.fsdp=4", "--config.mesh.data=2")
@@ -166,12 +166,39 @@ def test_tiny_config_trains(tmp_path):
         assert all(math.isfinite(r[key]) and r[key] >= 0 for r in train_rows), key
     assert json.loads((run_dir / "config.json").read_text())["steps"] == 150
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    # Run again with fewer steps: refused, rather than saving step 150's state as "step 100".
+    # Run again with fewer steps: refused, rather than saving step 150's state as "step 100";
+    # and with other data: refused, as its saved iterator step points into other batches.
+    # Both before the step compiles (they came after a compile and a read of the state).
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    with pytest.raises(config_lib.ConfigError, match="config.steps=100: .* already holds step 150"):
-        train.main(["--config", "tiny.py", f"--config.run_dir={run_dir}", "--config.steps=100",
-                    "--config.mesh.fsdp=4", "--config.mesh.data=2"])
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled before refusing the run")
+    monkeypatch.setattr(train.aot, "compile", no_compile)
+    for change, message in (("--config.steps=100", "config.steps=100: .* already holds step 150"),
+                            ("--config.data.seed=1", "the saved data iterator state is for data")):
+        with pytest.raises(config_lib.ConfigError, match=message):
+            train.main(["--config", "tiny.py", f"--config.run_dir={run_dir}", "--config.steps=200",
+                        "--config.mesh.fsdp=4", "--config.mesh.data=2", change])
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == saved
+
+
+def test_a_run_started_at_a_data_step_reports_the_rate_each_update_took_also_after_a_resume(tmp_path):
+    """With config.data.start_step=S the optimizer counts updates from 0 at step S, and a
+    resume restored TrainState.step as the loop's step: learning_rate read S steps ahead."""
+    import shutil
+    args = ["--config", "tiny.py", "--config.steps=8", "--config.data.start_step=2", "--config.checkpoint.every=4",
+            "--config.eval_every=0", "--config.tensorboard=false", "--config.model.embed_dim=32",
+            "--config.model.mlp_dim=64", "--config.optim.warmup_steps=3"]
+    assert train.main([*args, f"--config.run_dir={tmp_path / 'a'}"]) == 0
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "8")  # as if killed after step 4's save
+    assert train.main([*args, f"--config.run_dir={tmp_path / 'b'}"]) == 0
+    rows = {name: {r["step"]: r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())}
+            for name in "ab"}
+    schedule = learning_rate_schedule(config_lib.load("tiny.py", {"optim.warmup_steps": "3"}).optim, 8)
+    for s in range(2, 8):
+        assert rows["a"][s]["learning_rate"] == rows["b"][s]["learning_rate"] == pytest.approx(float(schedule(s - 2))), s
+        assert rows["a"][s]["loss"] == rows["b"][s]["loss"], s
 
 
 def test_a_nan_stops_training_with_the_step_range_and_no_checkpoint_holds_it(tmp_path):

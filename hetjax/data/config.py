@@ -51,6 +51,10 @@ def validate_data(cfg) -> None:
     for key in ("bos", "eos"):
         if getattr(d, key) not in ("auto", "true", "false"):
             raise ConfigError(f"config.data.{key}={getattr(d, key)!r}: choose auto, true or false")
+    if d.mixture and d.eval_path:  # each of a mixture's sources holds out its own share
+        raise ConfigError(f"config.data.eval_path={d.eval_path!r} with config.data.mixture: a mixture's "
+                          f"sources each hold out config.data.eval_fraction of their documents for eval; "
+                          f"drop eval_path, or set config.data.eval_fraction")
     if d.source != "synthetic" and not d.path and not d.mixture:
         raise ConfigError(f"config.data.source={d.source!r} needs config.data.path (files, globs "
                           f"or a prepared directory)")

@@ -74,6 +74,16 @@ class StepRows:
         return self.packed.rows(int(step) * self.batch_size + self.rows)
 
 
+def check_saved_state(state: dict, fingerprint: str) -> None:
+    """Refuses a saved iterator state (a checkpoint's `data` item) of other data than
+    `fingerprint`'s: its step would point into another stream of batches."""
+    if state.get("fingerprint") != fingerprint:
+        raise ConfigError(
+            f"the saved data iterator state is for data {state.get('fingerprint')!r} but this "
+            f"run's data is {fingerprint!r} (config.data, seq_len or batch_size changed); "
+            f"restore with the config the state was saved with")
+
+
 class DataIterator:
     """Global batches of steps start, start+1, ... as sharded jax.Arrays.
 
@@ -123,11 +133,7 @@ class DataIterator:
         return {"step": self.step, "fingerprint": self.fingerprint}
 
     def set_state(self, state: dict) -> None:
-        if state.get("fingerprint") != self.fingerprint:
-            raise ConfigError(
-                f"the saved data iterator state is for data {state.get('fingerprint')!r} but this "
-                f"run's data is {self.fingerprint!r} (config.data, seq_len or batch_size changed); "
-                f"restore with the config the state was saved with")
+        check_saved_state(state, self.fingerprint)
         if int(state["step"]) != self.step:  # an iterator already there is not built again
             self._start(int(state["step"]))
 
@@ -203,7 +209,7 @@ def _open_split(cfg, tokenizer, source: str, path: str, what: str):
     if d.eval_path and what == "config.data.path":
         held_out = _open(d, tokenizer, source, d.eval_path, "config.data.eval_path")
     else:
-        train, held_out = _split(train, d.eval_fraction, d.seed)
+        train, held_out = _split(train, d.eval_fraction, d.seed, mixture=what != "config.data.path")
     tokenizers.check_vocab(train, cfg.model.vocab_size, f"the data of {what}={path!r}")
     return train, held_out, train.fingerprint
 
@@ -240,14 +246,14 @@ def _open(d, tokenizer, source: str, path: str, what: str):
                               skip_bad=d.skip_bad_records, index_dir=d.index_dir, what=what)
 
 
-def _split(source, fraction: float, seed: int):
+def _split(source, fraction: float, seed: int, mixture: bool = False):
     """(train, eval): a seeded random `fraction` of the documents (at least one) held out."""
     held = np.random.default_rng([seed, 0xE7A1]).random(len(source)) < fraction
     if not held.any():
         held[np.random.default_rng([seed, 0xE7A1]).integers(len(source))] = True
     if held.all():
         raise ConfigError(f"config.data.eval_fraction={fraction}: nothing is left to train on; "
-                          f"lower it or set config.data.eval_path")
+                          f"lower it" + ("" if mixture else " or set config.data.eval_path"))
     ids = np.arange(len(source))
     train, ev = sources.Subset(source, ids[~held]), sources.Subset(source, ids[held])
     train.fingerprint = f"{source.fingerprint}/train{fraction}"

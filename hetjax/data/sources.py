@@ -58,8 +58,10 @@ def iter_documents(files: list[Path], fmt: str, field: str, skip_bad: bool, skip
         except OSError as e:
             raise DataError(f"{path}: cannot be read ({e.strerror})") from None
         offset = 0
-        for lineno, line in enumerate(data.splitlines(keepends=True), 1):
-            start, offset = offset, offset + len(line)
+        # Lines end at LF only, as prepare reads them (readers._lines): a lone CR stays in
+        # its document (bytes.splitlines cut there too, so the two paths disagreed).
+        for lineno, line in enumerate(data.split(b"\n"), 1):
+            start, offset = offset, offset + len(line) + 1
             body = line.rstrip(b"\r\n")
             if not body.strip():
                 continue
@@ -131,10 +133,13 @@ class TextSource:
         key = hashlib.sha256(json.dumps([stats, *options]).encode()).hexdigest()[:20]
         cache = Path(index_dir or Path(self.files[0]).parent / ".hetjax-index") / f"{key}.npz"
         index = dict(np.load(cache)) if cache.is_file() else {}
-        if "sha256" not in index:  # none, or cached before the contents' digests were kept
+        if "lone_cr" not in index:  # none, or cached before lines ended at LF only
             index = self._build_index(skip_bad)
             _save_atomic(cache, index)
-        content = hashlib.sha256(json.dumps([[str(h) for h in index["sha256"]], *options]).encode())
+        # Files with a lone CR split into other documents than before lines ended at LF
+        # only: their fingerprint says so (a resume of a run begun before is refused).
+        lf = ["lines end at LF"] if index["lone_cr"].any() else []
+        content = hashlib.sha256(json.dumps([[str(h) for h in index["sha256"]], *options, *lf]).encode())
         self.fingerprint = f"{fmt}:{content.hexdigest()[:20]}"
         self.file_ids, self.offsets, self.sizes = index["file_id"], index["offset"], index["size"]
         self.lengths = index["tokens"]
@@ -164,12 +169,13 @@ class TextSource:
         if skipped:
             print(f"skipped {len(skipped)} bad line(s) in total", flush=True)
         cols = np.asarray(rows, np.int64).reshape(-1, 4)
-        digests = []
+        digests, lone_cr = [], []
         for f in self.files:
-            with open(f, "rb") as handle:
-                digests.append(hashlib.file_digest(handle, "sha256").hexdigest())
+            raw = f.read_bytes()
+            digests.append(hashlib.sha256(raw).hexdigest())
+            lone_cr.append(raw.count(b"\r") > raw.count(b"\r\n"))
         return {"file_id": cols[:, 0], "offset": cols[:, 1], "size": cols[:, 2], "tokens": cols[:, 3],
-                "skipped": np.int64(len(skipped)), "sha256": np.asarray(digests)}
+                "skipped": np.int64(len(skipped)), "sha256": np.asarray(digests), "lone_cr": np.asarray(lone_cr)}
 
     def __getstate__(self):  # open files stay in their process
         return {**self.__dict__, "_handles": {}}

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from hetjax.optim import learning_rate_schedule
+from hetjax.optim import learning_rate_schedule, updates_applied
 from hetjax.state import TrainState
 
 
@@ -45,7 +45,7 @@ def make_apply(cfg, tx):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": totals[0] / count, "grad_norm": norm,
-                   "learning_rate": schedule(state.step), "tokens": count}
+                   "learning_rate": schedule(updates_applied(state.opt_state)), "tokens": count}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return apply
