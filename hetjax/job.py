@@ -208,7 +208,11 @@ class MeshJob:
         elif cfg.init_from:  # check_params warned of model differences
             model_order, abstract = _init_layout(cfg, prog, split)
             if model_order:  # an unpipelined run's or an import's layers, into the split's padded rows
-                shardings = sharding.state_shardings(abstract, mesh, cfg.sharding.rules)  # layers whole per stage
+                # Read split over the stages where the layers divide among them; else each stage
+                # holds every layer until to_stages (the stages x its own for that moment).
+                rules = (program.rules(cfg, prog.plan) if cfg.model.num_layers % prog.plan.stages == 0
+                         else cfg.sharding.rules)
+                shardings = sharding.state_shardings(abstract, mesh, rules)
                 params = checkpoint_init.load_params(cfg.init_from, abstract.params, shardings.params, log)
                 params = jax.jit(lambda p: to_stages(p, prog.plan.layout),
                                  out_shardings=prog.state_shardings.params)(params)

@@ -89,8 +89,8 @@ def peak_flops(cfg, devices) -> tuple[float, str]:
         # Virtual CPU devices share the host's cores: the host rate is the whole peak. A
         # process that launch.local pinned to a share of them measures that share: scaled
         # up to the cores the launcher had.
-        cores, mine = int(os.environ.get(HOST_CPUS_VARIABLE) or 0), len(os.sched_getaffinity(0))
-        if cores > mine:
+        cores = int(os.environ.get(HOST_CPUS_VARIABLE) or 0)
+        if cores and cores > (mine := len(os.sched_getaffinity(0))):  # Linux only, as launch.local's pinning
             return (measure_cpu_matmul_flops() * cores / mine,
                     f"measured fp32 matmul on {mine} of this host's {cores} cores, x {cores}/{mine}")
         return measure_cpu_matmul_flops(), "measured fp32 matmul on this host"
@@ -148,11 +148,14 @@ def _wandb_logged_in() -> bool:
             pass
         url = settings.get("default", "base_url", fallback=_wandb_default_url())
     parsed = urlparse(url)
+    hosts = [parsed.netloc, parsed.hostname]
+    if url == _wandb_default_url():  # wandb falls back to the upstream server's key (wandb 0.31's forge)
+        hosts.append("api.wandb.ai")
     try:
         entries = netrc.netrc(os.environ.get("NETRC"))
     except (OSError, netrc.NetrcParseError):
         return False
-    return any(entries.authenticators(h) is not None for h in (parsed.netloc, parsed.hostname) if h)
+    return any(entries.authenticators(h) is not None for h in hosts if h)
 
 
 def _wandb_default_url() -> str:

@@ -144,7 +144,7 @@ def test_second_start_hits_the_compilation_cache(tmp_path):
     assert list((tmp_path / ".jax_cache" / key).iterdir())
 
 
-def test_cudnn_attention_is_refused_where_jax_has_no_cuda_device_whatever_the_profile(tmp_path, capsys):
+def test_cudnn_attention_is_refused_where_jax_has_no_cuda_device_whatever_the_profile(tmp_path, capsys, monkeypatch):
     """With config.compile.platform=cuda on a machine without a GPU, jax starts on CPU and
     used to fail inside tracing ("cuDNN is not detected", a traceback); the plan and the
     export lower on CPU devices and failed the same way."""
@@ -164,3 +164,13 @@ def test_cudnn_attention_is_refused_where_jax_has_no_cuda_device_whatever_the_pr
                               "--config.model.attention_impl=cudnn", "--config.model.dtype=bfloat16"]) == 2
         assert "use --config.model.attention_impl=xla here" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    # On a CUDA GPU jax's default_backend() is "gpu": the check asks which platform, and passes.
+    model = Config().model.__class__(attention_impl="cudnn", dtype="bfloat16")
+    import jax
+    for started, refused in (("cuda", False), ("rocm", True), ("cpu", True)):
+        monkeypatch.setattr(jax.export, "default_export_platform", lambda started=started: started)
+        if refused:
+            with pytest.raises(ConfigError, match=f"jax started on {started} here"):
+                backend.check_started_attention(model, "cuda")
+        else:
+            backend.check_started_attention(model, "cuda")

@@ -358,6 +358,16 @@ def test_virtual_islands_save_asynchronously_and_resume(tmp_path):
     assert sorted({r["step"] for r in rows if "loss" in r}) == list(range(8))
     for name in ("cuda", "rocm"):
         assert checkpoint.Manager(run_dir / "checkpoints" / name).steps() == [4, 6, 8]
+    # Every step unreadable: each is set aside, and the start stops, saying so, where it used
+    # to train again from step 0 as if nothing had been saved.
+    for step in (4, 6, 8):
+        (run_dir / "checkpoints" / "rocm" / str(step) / "unreadable-by-process-1.txt").write_text("damaged shard\n")
+    run = subprocess.run(args + ["--config.steps=10"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert run.returncode != 0 and "none of the islands' checkpoints could be read (steps [8, 6, 4]" in run.stdout + run.stderr, \
+        (run.stdout + run.stderr)[-3000:]
+    assert len(list((run_dir / "checkpoints" / "corrupt").iterdir())) == 8  # all of both islands' steps, kept
+    assert sorted({r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                   if "loss" in r}) == list(range(8))  # the metrics too
 
 
 def test_an_island_ahead_never_deletes_the_last_step_a_lagging_island_holds(tmp_path):

@@ -526,28 +526,24 @@ def test_an_interleaved_pipeline_checkpoints_in_the_model_layer_order(tmp_path):
     ckpt.close()
 
 
-def test_an_uneven_split_starts_from_a_checkpoint_in_the_model_s_order(tmp_path):
+@pytest.mark.parametrize("layers,split", [(4, "(1,3)"), (3, "(1,2)")])  # read split over stages, or not
+def test_an_uneven_split_starts_from_a_checkpoint_in_the_model_s_order(tmp_path, layers, split):
     """An unpipelined run's checkpoint (or an import's) used to be refused by every uneven
     split, with advice to give a checkpoint in the model's order: now its layers go into the
-    split's padded rows, and the run starts from the same weights and loss as an
-    unpipelined one started from it."""
+    split's padded rows, and the run goes on from the same weights with the same loss."""
     from hetjax import train
     from hetjax.repro import read
-    args = ["--config", "tiny.py", "--config.model.num_layers=4", "--config.pipeline.schedule=1f1b_fused",
+    args = ["--config", "tiny.py", f"--config.model.num_layers={layers}", "--config.pipeline.schedule=1f1b_fused",
             "--config.pipeline.microbatches=2", "--config.eval_every=0", "--config.tensorboard=false",
-            "--config.steps=1", "--config.fingerprint_every=1"]
-    flat = ["--config.mesh.pipeline=1", "--config.mesh.fsdp=8"]
-    assert train.main([*args, *flat, f"--config.run_dir={tmp_path / 'a'}"]) == 0
-    starts = {}
-    for name, layout in (("flat", flat), ("uneven", ["--config.mesh.pipeline=2", "--config.mesh.fsdp=4",
-                                                     "--config.pipeline.stage_layers=(1,3)"])):
-        assert train.main([*args, *layout, f"--config.run_dir={tmp_path / name}",
-                           f"--config.init_from={tmp_path / 'a'}"]) == 0
-        _, steps, params = read(tmp_path / name)
-        starts[name] = (params[0]["params"], steps[0]["loss"])
-    _, _, trained = read(tmp_path / "a")
-    assert starts["uneven"][0] == starts["flat"][0] == trained[1]["params"]  # the same weights, bit for bit
-    np.testing.assert_allclose(starts["uneven"][1], starts["flat"][1], rtol=1e-5)
+            "--config.steps=2", "--config.fingerprint_every=1"]
+    assert train.main([*args, "--config.mesh.fsdp=8", "--config.checkpoint.every=1",
+                       f"--config.run_dir={tmp_path / 'a'}"]) == 0
+    assert train.main([*args, "--config.mesh.pipeline=2", "--config.mesh.fsdp=4",
+                       f"--config.pipeline.stage_layers={split}", "--config.data.start_step=1",
+                       f"--config.run_dir={tmp_path / 'b'}", f"--config.init_from={tmp_path / 'a' / 'checkpoints' / '1'}"]) == 0
+    (_, steps_a, params_a), (_, steps_b, params_b) = read(tmp_path / "a"), read(tmp_path / "b")
+    assert params_b[1]["params"] == params_a[1]["params"]  # the same weights, bit for bit
+    np.testing.assert_allclose(steps_b[1]["loss"], steps_a[1]["loss"], rtol=1e-5)  # on the same batch
 
 
 def test_an_uneven_split_s_checkpoint_is_refused_by_another_uneven_split(tmp_path, monkeypatch):

@@ -119,6 +119,11 @@ def test_a_login_to_a_self_hosted_server_is_found_where_wandb_finds_it(monkeypat
     (tmp_path / "wandb").mkdir()
     (tmp_path / "wandb" / "settings").write_text("[default]\nbase_url = https://wandb.corp.example\n")
     validate(Config(wandb=WandbConfig(project="p")))
+    # A login to api.wandb.ai, which wandb also reads for its newer default server.
+    netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {'x' * 40}\n")
+    (tmp_path / "wandb" / "settings").unlink()
+    validate(Config(wandb=WandbConfig(project="p")))
+    (tmp_path / "wandb" / "settings").write_text("[default]\nbase_url = https://wandb.corp.example\n")
     # And a login to wandb's own default server, whichever it is in this version.
     (tmp_path / "wandb" / "settings").unlink()
     default = urlparse(wandb.Settings().base_url).netloc

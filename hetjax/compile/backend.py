@@ -199,16 +199,24 @@ def start(cfg) -> str:
     from hetjax.compile import cache
     check_attention(cfg.model, resolve(cfg.compile)[0].platform)  # before XLA's flags are set
     applied = setup(cfg.compile)
-    import jax  # started by now, with the profile's settings
-    if cfg.model.attention_impl == "cudnn" and jax.default_backend() != "cuda":
-        raise ConfigError(f"config.model.attention_impl='cudnn' runs on CUDA GPUs only, and jax started on "
-                          f"{jax.default_backend()} here (the {applied.profile.name} profile sets flags, not the "
-                          f"device); run it on a CUDA GPU, or use attention_impl='xla'")
+    check_started_attention(cfg.model, applied.profile.name)
     line = applied.describe()
     if cfg.compile.cache:
         path = cache.enable(cache.directory(cfg.compile.cache_dir, cfg.run_dir, applied.profile.platform))
         line += f"; compilation cache: {path}"
     return line
+
+
+def check_started_attention(model, profile: str) -> None:
+    """check_attention against the platform jax did start on: a CUDA profile on a machine
+    without a CUDA GPU runs on CPU, where cuDNN fails inside tracing."""
+    if model.attention_impl != "cudnn":
+        return
+    import jax  # started now, with the profile's settings
+    if (started := jax.export.default_export_platform()) != "cuda":  # cuda or rocm where default_backend() is gpu
+        raise ConfigError(f"config.model.attention_impl='cudnn' runs on CUDA GPUs only, and jax started on "
+                          f"{started} here (the {profile} profile sets flags, not the device); run it on a "
+                          f"CUDA GPU, or use attention_impl='xla'")
 
 
 def check_attention(model, platform: str) -> None:

@@ -80,8 +80,9 @@ def check_saved_state(state: dict, fingerprint: str) -> None:
     if state.get("fingerprint") != fingerprint:
         raise ConfigError(
             f"the saved data iterator state is for data {state.get('fingerprint')!r} but this "
-            f"run's data is {fingerprint!r} (config.data, seq_len or batch_size changed); "
-            f"restore with the config the state was saved with")
+            f"run's data is {fingerprint!r} (config.data, seq_len or batch_size changed, or the files "
+            f"did: text files with a CR inside a line read otherwise since lines end at LF only); "
+            f"restore with the config and data the state was saved with, or start a new config.run_dir")
 
 
 class DataIterator:

@@ -18,6 +18,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -173,7 +174,7 @@ class TextSource:
         for f in self.files:
             raw = f.read_bytes()
             digests.append(hashlib.sha256(raw).hexdigest())
-            lone_cr.append(raw.count(b"\r") > raw.count(b"\r\n"))
+            lone_cr.append(_LONE_CR.search(raw) is not None)
         return {"file_id": cols[:, 0], "offset": cols[:, 1], "size": cols[:, 2], "tokens": cols[:, 3],
                 "skipped": np.int64(len(skipped)), "sha256": np.asarray(digests), "lone_cr": np.asarray(lone_cr)}
 
@@ -191,6 +192,10 @@ class TextSource:
         # these files, and a shared file position let one read the other's document.
         raw = os.pread(self._handles[fi].fileno(), int(self.sizes[i]), int(self.offsets[i]))
         return self.tokenizer.encode(_parse(raw, self.fmt, self.field))
+
+
+# A CR that ends no line: CRs before an LF or the end of the file are stripped on every path.
+_LONE_CR = re.compile(rb"\r(?!\r*(?:\n|\Z))")
 
 
 def _save_atomic(path: Path, arrays: dict) -> None:

@@ -121,6 +121,7 @@ class Checkpoints:
         read, as a Restored whose state is the local islands' states (laid out by
         `shardings`, one per local island); None if there is none."""
         job = self.job
+        unusable = []  # steps set aside because some island could not read them
         while True:
             held = {w.name: w.manager.steps() for w in job.workers}
             common, everyone = job.agree_steps(sorted(self.steps()), any(held.values()))
@@ -130,6 +131,11 @@ class Checkpoints:
                         f"the islands hold checkpoints but no step in common ({held} here); a job "
                         f"resumes all islands at one step, and starting again from step 0 would "
                         f"overwrite them: keep them, and restore a common step or move them away")
+                if unusable:  # as Manager.restore_latest: never a quiet start from step 0
+                    raise checkpoint.CheckpointError(
+                        f"none of the islands' checkpoints could be read (steps {unusable}, each moved to "
+                        f"{checkpoint.CORRUPT_DIR}/, nothing deleted, and the warnings above say why): move one "
+                        f"back once its cause is mended, or start again to train from step 0")
                 return None
             step = common[-1]
             for w in job.workers:  # a newer step that not every island holds was never finished
@@ -137,13 +143,25 @@ class Checkpoints:
                     w.manager.move_aside(newer, log, why="unfinished (not every island saved it)")
             # as saved; None: no process of the island's world can use it (one that alone
             # cannot read it stops the job, and the next start sets the step aside)
-            restored = [w.manager.restore_together(step, a, s, log)
-                        for w, a, s in zip(job.workers, abstract_states, shardings, strict=True)]
-            if job.all_ok(int(all(r is not None for r in restored)), f"restore{step}"):
+            restored, stop = [], None
+            for w, a, s in zip(job.workers, abstract_states, shardings, strict=True):
+                try:
+                    restored.append(w.manager.restore_together(step, a, s, log))
+                except checkpoint.CheckpointError as e:  # out of memory, or this process alone failed
+                    stop = e
+                    restored.append(None)
+            # -1 stops every island (each with the cause where it is known), 0 sets the step aside
+            verdict = job.agreed_min(-1 if stop else int(all(r is not None for r in restored)), f"restore{step}")
+            if verdict < 0:
+                raise stop or checkpoint.CheckpointError(
+                    f"another island stopped while reading checkpoint step {step} (its log says why); "
+                    f"nothing was moved")
+            if verdict:
                 for w in job.workers:  # every island holds it
                     w.manager.keep_from(step)
                 return checkpoint.Restored(step, [r.state for r in restored], restored[0].data_state,
                                            restored[0].meta, restored[0].config)
+            unusable.append(step)
             for w in job.workers:  # someone could not read it: set it aside everywhere
                 if step in w.manager.steps():
                     w.manager.move_aside(step, log, why="unusable")

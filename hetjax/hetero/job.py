@@ -311,9 +311,10 @@ class IslandsJob:
             return held_by_all(steps, got[:, :-1]), bool(got[:, -1].max())
         return answer
 
-    def all_ok(self, ok: int, what: str) -> bool:
-        flags = self._each(lambda w: w.links.gather(np.asarray([ok], np.int32), what, w.island.mesh))
-        return bool(flags[0].min())
+    def agreed_min(self, value: int, what: str) -> int:
+        """The smallest of every island's `value`, on every island."""
+        flags = self._each(lambda w: w.links.gather(np.asarray([value], np.int32), what, w.island.mesh))
+        return int(flags[0].min())
 
     # -- what the training loop calls ------------------------------------------------
 
