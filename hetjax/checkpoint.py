@@ -37,13 +37,12 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_pol
 from hetjax import checkpoint_copy, checkpoint_readable, orbax_noise, save_failures
 from hetjax.checkpoint_fit import check_optimizer, check_shapes, saved_dtypes, shapes, verify
 from hetjax.compile import aot
-from hetjax.checkpoint_config import CheckpointConfig
+from hetjax.checkpoint_config import CORRUPT_DIR, CheckpointConfig, default_dir  # noqa: F401 - used by callers
 from hetjax.errors import CheckpointError, ConfigError, CorruptCheckpoint  # noqa: F401 - raised here, caught by callers
 from hetjax.models.llama import BLOCKS
 from hetjax.state import TrainState
 from hetjax.repro.digest import params_checksum
 
-CORRUPT_DIR = "corrupt"  # sibling of the checkpoint directory: damaged steps go here
 
 
 # ---------------------------------------------------------------------------
@@ -442,47 +441,3 @@ def params_checksum_of(meta: dict) -> str:
     """A checkpoint's parameter checksum as saved; checkpoints written before the key was
     renamed (0.1.0's first round) keep it as `params_fingerprint`."""
     return meta.get("params_checksum") or meta.get("params_fingerprint") or "not recorded"
-
-
-def default_dir(cfg) -> Path:
-    return Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
-
-
-def check_not_past(cfg, step: int, directory) -> None:
-    """Refuses to resume at `step` beyond config.steps: the final save would label step
-    `step`'s state as config.steps."""
-    if step > cfg.steps:
-        raise ConfigError(f"config.steps={cfg.steps}: {directory} already holds step {step}; raise "
-                          f"config.steps to train on, or give a new config.run_dir")
-
-
-def check_layout_kind(cfg) -> None:
-    """Refuses a job whose checkpoint directory holds another kind of job's checkpoints: a
-    one-mesh job's steps where islands would look in one folder per island, or the other
-    way round. Neither finds the other's, so the job would start from step 0 and rewrite
-    the run's metrics. Only the directory is read: before anything is built."""
-    d = default_dir(cfg)
-    if not d.is_dir():
-        return
-    steps = sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
-    folders = sorted(p.name for p in d.iterdir() if p.is_dir() and p.name != CORRUPT_DIR and not p.name.isdigit()
-                     and any(q.is_dir() and q.name.isdigit() for q in p.iterdir()))
-    ours = [i.name for i in cfg.hetero.islands]
-    if not ours and folders:
-        raise ConfigError(
-            f"{d} holds an islands job's checkpoints ({', '.join(folders)}), and this config has no "
-            f"islands: it would start from step 0 and rewrite the run's metrics. To go on as one mesh, put "
-            f"them together first (python -m hetjax.hetero.checkpoints --config ISLANDS_CONFIG "
-            f"--checkpoints={d} --out=DIR), then train with --config.checkpoint.dir=DIR; or give a new "
-            f"config.run_dir")
-    if ours and steps:
-        raise ConfigError(
-            f"{d} holds a one-mesh job's checkpoints (steps {steps}), and this config runs islands: they "
-            f"would start from step 0 and rewrite the run's metrics. Start the islands from its weights in "
-            f"a new run (--config.init_from={d / str(steps[-1])} --config.run_dir=NEW), or give a new "
-            f"config.run_dir")
-    if ours and (others := [f for f in folders if f not in ours]):
-        raise ConfigError(
-            f"{d} holds checkpoints of islands {others}, which config.hetero.islands does not name "
-            f"({ours}): this job would not resume them. Name the islands as the job that wrote them did, "
-            f"or give a new config.run_dir")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from hetjax.errors import ConfigError
+
+CORRUPT_DIR = "corrupt"  # sibling of the checkpoint directory: damaged steps go here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,3 +28,7 @@ def validate_checkpoint(c: CheckpointConfig) -> None:
             raise ConfigError(f"config.checkpoint.{key}={getattr(c, key)}: use 0 (off) or a positive step count")
     if c.keep < 1:
         raise ConfigError(f"config.checkpoint.keep={c.keep}: keep at least 1 checkpoint, or resume is impossible")
+
+
+def default_dir(cfg) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")

@@ -1,12 +1,14 @@
 """Whether a checkpoint fits this config before it is used: its parameters' shapes and its
 optimizer state's parts (a mismatch is the config's, a ConfigError that moves nothing),
-and its arrays' checksums (a mismatch is damage, CorruptCheckpoint)."""
+its arrays' checksums (a mismatch is damage, CorruptCheckpoint), its step against
+config.steps, and the kind of job a checkpoint directory belongs to."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
 
+from hetjax.checkpoint_config import CORRUPT_DIR, default_dir
 from hetjax.errors import ConfigError, CorruptCheckpoint
 from hetjax.repro.digest import leaf_checksums, path_name
 
@@ -126,3 +128,43 @@ def verify(expected: dict[str, str], tree, where: str) -> None:
         raise CorruptCheckpoint(
             f"{where} is damaged: {len(bad)} array(s) differ from the checksums written at save "
             f"time (first: {bad[:3]})")
+
+
+def check_not_past(cfg, step: int, directory) -> None:
+    """Refuses to resume at `step` beyond config.steps: the final save would label step
+    `step`'s state as config.steps."""
+    if step > cfg.steps:
+        raise ConfigError(f"config.steps={cfg.steps}: {directory} already holds step {step}; raise "
+                          f"config.steps to train on, or give a new config.run_dir")
+
+
+def check_layout_kind(cfg) -> None:
+    """Refuses a job whose checkpoint directory holds another kind of job's checkpoints: a
+    one-mesh job's steps where islands would look in one folder per island, or the other
+    way round. Neither finds the other's, so the job would start from step 0 and rewrite
+    the run's metrics. Only the directory is read: before anything is built."""
+    d = default_dir(cfg)
+    if not d.is_dir():
+        return
+    steps = sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
+    folders = sorted(p.name for p in d.iterdir() if p.is_dir() and p.name != CORRUPT_DIR and not p.name.isdigit()
+                     and any(q.is_dir() and q.name.isdigit() for q in p.iterdir()))
+    ours = [i.name for i in cfg.hetero.islands]
+    if not ours and folders:
+        raise ConfigError(
+            f"{d} holds an islands job's checkpoints ({', '.join(folders)}), and this config has no "
+            f"islands: it would start from step 0 and rewrite the run's metrics. To go on as one mesh, put "
+            f"them together first (python -m hetjax.hetero.checkpoints --config ISLANDS_CONFIG "
+            f"--checkpoints={d} --out=DIR), then train with --config.checkpoint.dir=DIR; or give a new "
+            f"config.run_dir")
+    if ours and steps:
+        raise ConfigError(
+            f"{d} holds a one-mesh job's checkpoints (steps {steps}), and this config runs islands: they "
+            f"would start from step 0 and rewrite the run's metrics. Start the islands from its weights in "
+            f"a new run (--config.init_from={d / str(steps[-1])} --config.run_dir=NEW), or give a new "
+            f"config.run_dir")
+    if ours and (others := [f for f in folders if f not in ours]):
+        raise ConfigError(
+            f"{d} holds checkpoints of islands {others}, which config.hetero.islands does not name "
+            f"({ours}): this job would not resume them. Name the islands as the job that wrote them did, "
+            f"or give a new config.run_dir")

@@ -175,7 +175,7 @@ class MeshJob:
             # are a permutation of the model's, of the same shapes.)
             try:
                 if saved := self.checkpoints.steps():
-                    checkpoint.check_not_past(cfg, saved[-1], self.checkpoints.directory)
+                    checkpoint_fit.check_not_past(cfg, saved[-1], self.checkpoints.directory)
                     self.checkpoints.check_usable(saved[-1], {"params": prog.state.params,
                                                               "opt_state": prog.state.opt_state}, check)
                     if (state := self.checkpoints.read_json_or_none(saved[-1], "data")) is not None:

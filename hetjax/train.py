@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from hetjax import checkpoint, checkpoint_init
+from hetjax import checkpoint_fit, checkpoint_init
 from hetjax import cli as cli_lib  # `cli` below is the console script's entry point
 from hetjax import config as config_lib
 from hetjax import data, memory, metrics, repro, stop as stop_lib
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     dataset = data.build(cfg)  # bad data is reported before anything is compiled
     if cfg.init_from:
         checkpoint_init.find_checkpoint_dir(cfg.init_from)  # a wrong path fails before compiling
-    checkpoint.check_layout_kind(cfg)  # another kind of job's checkpoints: refused before compiling
+    checkpoint_fit.check_layout_kind(cfg)  # another kind of job's checkpoints: refused before compiling
 
     def log(text):
         print(text, flush=True)
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                     else MeshJob(cfg, dataset, log=log))
         signals.attach(job)
         state, start, batches, ckpt = job.state, job.start, job.batches, job.checkpoints
-        checkpoint.check_not_past(cfg, start, ckpt.directory)  # one mesh checked it before compiling
+        checkpoint_fit.check_not_past(cfg, start, ckpt.directory)  # one mesh checked it before compiling
         flops_per_step, peak = job.flops_per_step(), job.peak
         floor = "" if dataset.floor is None else f"; its best possible loss is {dataset.floor:.4f}"
         print(f"MFU against {peak / 1e12:.3g} TFLOP/s ({job.peak_source}); data: {dataset.description}"
