@@ -130,6 +130,17 @@ def verify(expected: dict[str, str], tree, where: str) -> None:
             f"time (first: {bad[:3]})")
 
 
+def check_whole_model(saved_config: dict | None, where: str) -> None:
+    """Refuses one island's part of an islands job's pipeline (its layers only) where a
+    whole model is read (init_from, export)."""
+    h = (saved_config or {}).get("hetero") or {}
+    if h.get("islands") and h.get("placement", "pipeline") == "pipeline":
+        raise ConfigError(
+            f"{where} is one island's part of an islands job (its share of the layers): put the islands' "
+            f"checkpoints together first, with python -m hetjax.hetero.checkpoints --config ISLANDS_CONFIG "
+            f"--checkpoints=RUN_DIR/checkpoints --out=DIR, and give DIR")
+
+
 def check_not_past(cfg, step: int, directory) -> None:
     """Refuses to resume at `step` beyond config.steps: the final save would label step
     `step`'s state as config.steps."""

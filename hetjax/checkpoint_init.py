@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from hetjax import checkpoint
-from hetjax.checkpoint_fit import check_split, model_differences
+from hetjax.checkpoint_fit import check_split, check_whole_model, model_differences
 from hetjax.errors import CheckpointError, ConfigError, CorruptCheckpoint
 from hetjax.state import TrainState
 
@@ -22,7 +22,15 @@ def find_checkpoint_dir(path: str | Path) -> tuple[Path, int | None]:
     if not path.exists():
         raise ConfigError(f"config.init_from={str(path)!r}: no such file or directory")
     if (path / "checkpoints").is_dir():
-        return path / "checkpoints", None
+        path = path / "checkpoints"
+        if islands := sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.isdigit()
+                             and any(q.name.isdigit() for q in p.iterdir())):
+            if not any(p.name.isdigit() for p in path.iterdir()):
+                raise ConfigError(
+                    f"{path} holds an islands job's checkpoints, one folder per island ({', '.join(islands)}): "
+                    f"put them together first, with python -m hetjax.hetero.checkpoints --config ISLANDS_CONFIG "
+                    f"--checkpoints={path} --out=DIR, and give DIR")
+        return path, None
     if (path / "params").is_dir() and path.name.isdigit():
         return path.parent, int(path.name)
     if path.is_dir() and any(p.name.isdigit() for p in path.iterdir()):
@@ -67,6 +75,7 @@ def check_params(path: str | Path, abstract_params, log=print, split=None, model
 
 
 def _check(saved: dict | None, where: str, split, model, log) -> None:
+    check_whole_model(saved, f"config.init_from: {where}")
     check_split(saved, split, f"config.init_from: {where}",
                 "start from it with that split (config.mesh.pipeline and "
                 "config.pipeline.stage_layers), or give a checkpoint in the model's order (python "

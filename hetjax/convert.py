@@ -26,7 +26,7 @@ from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 from hetjax import checkpoint, checkpoint_fit, checkpoint_init, cli, safetensors_io
 from hetjax.repro import digest
 from hetjax.errors import ConfigError, ConvertError  # noqa: F401 - raised here, caught by callers
-from hetjax.models.llama import ModelConfig
+from hetjax.models.llama import ModelConfig, validate_model
 
 
 # ---------------------------------------------------------------------------
@@ -54,13 +54,17 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         refuse("layer_types", hf["layer_types"], "hetjax has full attention in every layer")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         refuse("partial_rotary_factor", hf["partial_rotary_factor"], "hetjax rotates the whole head")
-    rope = dict(hf.get("rope_parameters") or {})
-    if not rope:
-        rope = dict(hf.get("rope_scaling") or {})
-        rope.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
+    if missing := [k for k in ("vocab_size", "num_hidden_layers", "hidden_size", "intermediate_size",
+                               "num_attention_heads") if k not in hf]:
+        raise ConvertError(f"config.json has no {', '.join(missing)}; give a Llama or Qwen2 model's config")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling = {}
     if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if missing := [k for k in keys if k not in rope]:
+            refuse("rope_scaling", rope, f"llama3 RoPE needs {', '.join(keys)}; {', '.join(missing)} missing")
         scaling = dict(rope_scaling_factor=float(rope["factor"]),
                        rope_low_freq_factor=float(rope["low_freq_factor"]),
                        rope_high_freq_factor=float(rope["high_freq_factor"]),
@@ -170,6 +174,10 @@ def import_hf(hf_dir: Path, out_dir: Path, param_dtype: str = "float32", log=pri
         raise ConvertError(f"{hf_dir}: no config.json; give a Hugging Face model directory")
     hf_config = json.loads((hf_dir / "config.json").read_text())
     m = dataclasses.replace(model_config_from_hf(hf_config), param_dtype=param_dtype)
+    try:  # what training would refuse (heads that do not group, an odd head_dim) is refused now
+        validate_model(m)
+    except ConfigError as e:
+        raise ConvertError(f"{hf_dir}/config.json: {e}") from None
     files = safetensors_io.open_dir(hf_dir)
     plan = entries(m)
     wanted = {e.hf.format(i=i) for e in plan for i in _layers(e, m)}
@@ -217,10 +225,13 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes
     directory, step = checkpoint_init.find_checkpoint_dir(Path(ckpt).absolute())  # orbax: absolute paths only
     manager = checkpoint.Manager(directory, read_only=True)
     try:
+        if step is None and not manager.steps():
+            raise checkpoint.CheckpointError(f"{directory} holds no checkpoint step")
         step = max(manager.steps()) if step is None else step
         small = manager.read_json(step, "meta", "config")
     finally:
         manager.close()
+    checkpoint_fit.check_whole_model(small.config, manager.where(step))
     m = ModelConfig(**small.config["model"])
     plan = entries(m)
     # An uneven pipeline split saved its layers with padding rows between the stages.

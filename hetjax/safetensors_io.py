@@ -15,6 +15,8 @@ from typing import Iterable, Iterator
 import ml_dtypes
 import numpy as np
 
+from hetjax.errors import ConvertError
+
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
@@ -35,16 +37,16 @@ class File:
     def get(self, name: str) -> np.ndarray:
         info = self.header[name]
         if info["dtype"] not in DTYPES:
-            raise ValueError(f"{self.path}: tensor {name} has dtype {info['dtype']}, which hetjax cannot read")
+            raise ConvertError(f"{self.path}: tensor {name} has dtype {info['dtype']}, which hetjax cannot read")
         begin, end = info["data_offsets"]
         dtype = np.dtype(DTYPES[info["dtype"]])
         if end - begin != math.prod(info["shape"]) * dtype.itemsize:
-            raise ValueError(f"{self.path}: tensor {name} has {end - begin} bytes, not {info['shape']} x {dtype}")
+            raise ConvertError(f"{self.path}: tensor {name} has {end - begin} bytes, not {info['shape']} x {dtype}")
         with open(self.path, "rb") as f:
             f.seek(self.data_start + begin)
             raw = f.read(end - begin)
         if len(raw) != end - begin:
-            raise ValueError(f"{self.path} is truncated inside tensor {name}")
+            raise ConvertError(f"{self.path} is truncated inside tensor {name}; download it again")
         return np.frombuffer(raw, dtype.newbyteorder("<")).astype(dtype).reshape(info["shape"])
 
 

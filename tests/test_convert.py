@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -200,3 +201,26 @@ def test_unsupported_hf_fields_are_refused_by_name(field, value, message):
     hf[field] = value
     with pytest.raises(convert.ConvertError, match=message.replace("(", r"\(").replace("[", r"\[")):
         convert.model_config_from_hf(hf)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0},
+     "llama3 RoPE needs factor, low_freq_factor, high_freq_factor, original_max_position_embeddings; low_freq_factor"),
+    ("num_key_value_heads", 3, "num_heads=4 is not a multiple of config.model.num_kv_heads=3"),
+])
+def test_bad_hf_configs_and_files_are_refused_with_their_field_not_a_traceback(tmp_path, capsys, field, value, message):
+    """A llama3 RoPE with a key missing was a KeyError, heads that do not group were imported
+    and refused only by training, and a truncated shard was a ValueError's traceback."""
+    hf_model("llama", tmp_path / "hf")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    hf[field] = value
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(hf))
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        shutil.copy(f, tmp_path / "bad")
+    assert convert.main(["import", str(tmp_path / "bad"), str(tmp_path / "o1")]) == 2
+    assert message in capsys.readouterr().err
+    shard = sorted((tmp_path / "hf").glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert convert.main(["import", str(tmp_path / "hf"), str(tmp_path / "o2")]) == 2
+    assert "is truncated inside tensor" in capsys.readouterr().err

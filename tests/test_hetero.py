@@ -327,6 +327,53 @@ def test_islands_start_from_a_one_island_checkpoint(tmp_path):
     np.testing.assert_allclose(row["loss"], one[2], rtol=1e-5)
 
 
+def test_islands_checkpoints_that_cannot_be_resumed_are_set_aside_or_refused_before_an_island_is_built(
+        tmp_path, monkeypatch):
+    """A first save cut short stopped every later start; an islands run's checkpoints given
+    to export or init_from were tracebacks; config.steps below the saved step, other data and
+    another placement were refused only after every island had compiled."""
+    run_dir = tmp_path / "run"
+    args = ["--config", "tiny_hetero.py", f"--config.run_dir={run_dir}", "--config.eval_every=0",
+            "--config.tensorboard=False", "--config.checkpoint.async_save=False"]
+    assert train.main([*args, "--config.steps=2"]) == 0
+
+    # Killed in its first save: one island had saved step 2, the other not. That step is set
+    # aside and the job starts anew; it used to refuse every start ("no step in common").
+    import shutil
+    shutil.copytree(run_dir, tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "rocm" / "2")
+    said = []
+    monkeypatch.setattr("builtins.print", lambda *a, **k: said.append(" ".join(map(str, a))))
+    assert train.main([*args[:2], f"--config.run_dir={tmp_path / 'cut'}", *args[3:], "--config.steps=2"]) == 0
+    monkeypatch.undo()
+    assert any("moved the unfinished" in line and "first save" in line for line in said), said[-20:]
+    assert [p.name.split("-")[:2] for p in (tmp_path / "cut" / "checkpoints" / "corrupt").iterdir()] == [["cuda", "2"]]
+    rows = [json.loads(l) for l in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [0, 1]
+
+    # Its checkpoints are parts of a model: export and init_from say how to put them together
+    # (they were tracebacks, or "no readable checkpoint" after a compile).
+    from hetjax import convert
+    for path, message in ((run_dir, "holds an islands job's checkpoints, one folder per island \\(cuda, rocm\\)"),
+                          (run_dir / "checkpoints" / "cuda", "is one island's part of an islands job")):
+        with pytest.raises(ConfigError, match=message):
+            convert.export_hf(path, tmp_path / "hf")
+    with pytest.raises(ConfigError, match="holds an islands job's checkpoints"):
+        train.main(["--config", "tiny.py", f"--config.run_dir={tmp_path / 'one'}", f"--config.init_from={run_dir}"])
+
+    def no_island(*a, **k):
+        raise AssertionError("built an island before refusing the checkpoint")
+    monkeypatch.setattr(job_lib, "Worker", no_island)
+    for change, message in ((["--config.steps=1"], r"config.steps=1: .* already holds step 2"),
+                            (["--config.steps=4", "--config.data.branching=4"], "saved data iterator state is for data"),
+                            (["--config.steps=4", "--config.hetero.placement=data"],
+                             r"config.hetero.placement='pipeline' but this config has 'data'")):
+        with pytest.raises(ConfigError, match=message):
+            train.main([*args, *change])
+    with pytest.raises(ConfigError, match=r"config.hetero.islands\[0\].name='0': name an island with a letter"):
+        validate(tiny_islands(islands=(IslandConfig(name="0"), IslandConfig(name="b"))))
+
+
 def test_an_island_too_small_for_its_part_is_refused_before_allocating(tmp_path):
     with pytest.raises(ConfigError, match="island (cuda|rocm) \\(config.hetero.islands\\[[01]\\]\\): .* needs about"):
         train.main(["--config", "tiny_hetero.py", f"--config.run_dir={tmp_path}", "--config.device_memory_gib=1e-5"])

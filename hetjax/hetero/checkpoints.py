@@ -16,7 +16,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from hetjax import checkpoint, optim
+from hetjax import checkpoint, checkpoint_fit, optim
+from hetjax.data.pipeline import check_saved_state
 from hetjax import state as state_lib
 from hetjax.config import to_dict
 from hetjax.errors import ConfigError
@@ -126,6 +127,15 @@ class Checkpoints:
             held = {w.name: w.manager.steps() for w in job.workers}
             common, everyone = job.agree_steps(sorted(self.steps()), any(held.values()))
             if not common:
+                # A job killed in its first save: some islands had saved that step, others not.
+                # That one step per island is set aside (nothing deleted) and the job starts anew.
+                first_save = -job.agreed_min(-max(map(len, held.values())), "checkpoint/count") == 1
+                if everyone and first_save and not unusable:
+                    for w in job.workers:
+                        for first in w.manager.steps():
+                            w.manager.move_aside(first, log, why="unfinished (the job's first save, which not "
+                                                                 "every island finished)")
+                    return None
                 if everyone:
                     raise checkpoint.CheckpointError(
                         f"the islands hold checkpoints but no step in common ({held} here); a job "
@@ -174,11 +184,16 @@ def check_placement(cfg, saved: dict | None, where: str) -> None:
     two of 4 layers), which neither the shapes nor the checksums would notice. (How many
     layers each island holds, which its speeds or island_layers decide, its callers compare
     with the saved stack itself.)"""
-    if cfg.hetero.placement != "pipeline" or not saved or "hetero" not in saved:
+    if not saved or "hetero" not in saved:
         return
     h, theirs = cfg.hetero, saved["hetero"]
+    was = theirs.get("placement", "pipeline")
+    if was != h.placement:  # data placement's islands each hold the whole model, pipeline's a part
+        raise ConfigError(f"{where} was written with config.hetero.placement={was!r} but this config has "
+                          f"{h.placement!r}: its islands hold other parts of the model; set it back to {was!r}")
+    if h.placement != "pipeline":
+        return
     for field, was, now in (
-            ("config.hetero.placement", theirs.get("placement", "pipeline"), h.placement),
             ("config.hetero.islands (their number)", len(theirs.get("islands", ())), len(h.islands)),
             # Each island's part is kept under its name: islands put in another order would each
             # restore layers they no longer hold (middle islands' parts have the same shapes).
@@ -192,9 +207,10 @@ def check_placement(cfg, saved: dict | None, where: str) -> None:
                 f"other layers than this config places there; set {field} back to {was!r}")
 
 
-def check_saved_placement(cfg, names, held: dict | None = None) -> None:
+def check_saved_placement(cfg, names, held: dict | None = None, data_fingerprint: str | None = None) -> None:
     """check_placement for every readable checkpoint of the islands `names` in the job's
-    checkpoint directory, and (pipeline placement) that island name holds as many layers
+    checkpoint directory; that the newest is not past config.steps and (given
+    `data_fingerprint`) saved the iterator of the same data; and (pipeline placement) that island name holds as many layers
     there as `held[name]` says it will now: the split follows the speeds (or auto_split's
     measurement, taken anew at each start), and a step saved under another split would
     otherwise fail only once every island had compiled, blaming config.model. Run before
@@ -214,6 +230,11 @@ def check_saved_placement(cfg, names, held: dict | None = None) -> None:
                     continue
                 check_placement(cfg, saved, manager.where(step))
                 saved_layers[name] = (rows, manager.where(step))
+            if steps := manager.steps():
+                checkpoint_fit.check_not_past(cfg, steps[-1], directory)
+                state = manager.read_json_or_none(steps[-1], "data")
+                if data_fingerprint is not None and state is not None:
+                    check_saved_state(state, data_fingerprint)
         finally:
             manager.close()
     differ = {n: r for n, (r, _) in saved_layers.items() if held and r is not None and r != held[n]}

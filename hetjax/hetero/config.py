@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from hetjax.checkpoint_config import CORRUPT_DIR
 from hetjax.errors import ConfigError
 from hetjax.mesh import MESH_AXES, MeshConfig
 from hetjax.pipeline.config import validate_pipeline
@@ -74,6 +75,10 @@ def validate_hetero(cfg) -> None:
         if not island.name or not island.name.replace("-", "").replace("_", "").isalnum():
             raise ConfigError(f"{where}.name={island.name!r}: use letters, digits, - and _ (it names "
                               f"logs, checkpoint folders and transfer tags)")
+        if island.name.isdigit() or island.name == CORRUPT_DIR:  # beside a one-mesh job's steps and corrupt/
+            raise ConfigError(f"{where}.name={island.name!r}: name an island with a letter in it, and not "
+                              f"{CORRUPT_DIR!r} (its checkpoints go in a folder of that name, beside step folders "
+                              f"and {CORRUPT_DIR}/)")
         if names.count(island.name) > 1:
             raise ConfigError(f"{where}.name={island.name!r} is used twice; give every island its own name")
         if island.platform not in PLATFORMS:

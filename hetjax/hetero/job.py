@@ -215,7 +215,7 @@ class IslandsJob:
             layers = island_lib.held_layers(cfg, placement.island_layers(cfg, speeds))
         check_saved_placement(cfg, [h.islands[k].name for k in local],  # before compiling
                               {h.islands[k].name: sum(b - a for a, b in layers[k]) for k in local}
-                              if h.placement == "pipeline" else None)
+                              if h.placement == "pipeline" else None, dataset.fingerprint)
         for k in local:
             links[k].status("compiling")
         self.workers = self._run(local, lambda k: Worker(cfg, k, devices[k], layers[k], dataset, links[k]))
