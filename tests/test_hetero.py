@@ -370,6 +370,21 @@ def test_islands_checkpoints_that_cannot_be_resumed_are_set_aside_or_refused_bef
                              r"config.hetero.placement='pipeline' but this config has 'data'")):
         with pytest.raises(ConfigError, match=message):
             train.main([*args, *change])
+    # Shapes (a wider model) and init_from's, from the checkpoints' metadata before the
+    # islands' programs compile (they were found by the restore, after it).
+    monkeypatch.undo()
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled an island's programs before refusing the checkpoint")
+    monkeypatch.setattr(job_lib, "PipelineStage", no_compile)
+    with pytest.raises(ConfigError, match=r"checkpoint step 2 .* 'blocks/mlp/down_FD' has shape"):
+        train.main([*args, "--config.steps=4", "--config.model.mlp_dim=128"])
+    one = tmp_path / "one_mesh"
+    assert train.main(["--config", "tiny.py", f"--config.run_dir={one}", "--config.steps=1", "--config.eval_every=0",
+                       "--config.tensorboard=False", "--config.model.num_layers=4"]) == 0
+    with pytest.raises(ConfigError, match=r"checkpoint step 1 in .*one_mesh.* has shape"):
+        train.main([*args[:2], f"--config.run_dir={tmp_path / 'fresh'}", *args[3:], "--config.steps=2",
+                    f"--config.init_from={one}"])
     with pytest.raises(ConfigError, match=r"config.hetero.islands\[0\].name='0': name an island with a letter"):
         validate(tiny_islands(islands=(IslandConfig(name="0"), IslandConfig(name="b"))))
 

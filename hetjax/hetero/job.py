@@ -22,7 +22,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from hetjax import checkpoint, repro
+from hetjax import checkpoint, checkpoint_init, repro
+from hetjax import state as state_lib
 from hetjax import stop as stop_lib
 from hetjax import config as config_lib
 from hetjax import metrics as metrics_lib
@@ -131,10 +132,18 @@ class Worker:
         self.k, self.name = k, cfg.hetero.islands[k].name
         self.island = island_lib.build(cfg, k, devices, layers)
         self.links = links
+        self.manager = island_manager(cfg, self.name)
+        # The checkpoint to resume, or config.init_from's, must fit this island's part: said
+        # from its metadata before the island's programs compile, as for one mesh.
+        if held := self.manager.steps():
+            self.manager.check_usable(held[-1], {"params": self.island.abstract.params,
+                                                 "opt_state": self.island.abstract.opt_state})
+        elif cfg.init_from:  # a whole model, of which the island takes its part
+            whole = state_lib.abstract_state(cfg.model, cfg.seed, self.island.tx)[1]
+            checkpoint_init.check_params(cfg.init_from, whole.params)
         stage = PipelineStage if cfg.hetero.placement == "pipeline" else DataShare
         self.stage = stage(self.island, self.links)
         self.dataset, self.rows = dataset, self.island.rows
-        self.manager = island_manager(cfg, self.name)
         self.timeline = self.island.timeline
         links.observe(self.timeline)
         self.seconds: dict[str, float] = {}  # the last step's breakdown (hetjax.hetero.timeline)
