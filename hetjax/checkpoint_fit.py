@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from hetjax.checkpoint_config import CORRUPT_DIR, default_dir
+from hetjax.checkpoint_config import default_dir, island_folders
 from hetjax.errors import ConfigError, CorruptCheckpoint
 from hetjax.repro.digest import leaf_checksums, path_name
 
@@ -158,8 +158,7 @@ def check_layout_kind(cfg) -> None:
     if not d.is_dir():
         return
     steps = sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
-    folders = sorted(p.name for p in d.iterdir() if p.is_dir() and p.name != CORRUPT_DIR and not p.name.isdigit()
-                     and any(q.is_dir() and q.name.isdigit() for q in p.iterdir()))
+    folders = island_folders(d)
     ours = [i.name for i in cfg.hetero.islands]
     if not ours and folders:
         raise ConfigError(

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from hetjax import checkpoint
+from hetjax.checkpoint_config import island_folders
 from hetjax.checkpoint_fit import check_split, check_whole_model, model_differences
 from hetjax.errors import CheckpointError, ConfigError, CorruptCheckpoint
 from hetjax.state import TrainState
@@ -23,8 +24,7 @@ def find_checkpoint_dir(path: str | Path) -> tuple[Path, int | None]:
         raise ConfigError(f"config.init_from={str(path)!r}: no such file or directory")
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
-        if islands := sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.isdigit()
-                             and any(q.name.isdigit() for q in p.iterdir())):
+        if islands := island_folders(path):
             if not any(p.name.isdigit() for p in path.iterdir()):
                 raise ConfigError(
                     f"{path} holds an islands job's checkpoints, one folder per island ({', '.join(islands)}): "
@@ -40,19 +40,26 @@ def find_checkpoint_dir(path: str | Path) -> tuple[Path, int | None]:
         f"checkpoints/ directory, one step directory in it, or the output of `python -m hetjax.convert import`")
 
 
+def _newest_config(manager, step: int | None) -> tuple[int, dict | None] | None:
+    """(step, saved config) of the checkpoint load_params reads first: `step`, or the newest
+    whose config reads; None if there is none."""
+    for s in reversed(manager.steps() if step is None else [step]):
+        try:
+            return s, manager.read_json(s, "config").get("config")
+        except CorruptCheckpoint:
+            continue  # load_params reports it and tries an older one
+    return None
+
+
 def saved_config(path: str | Path) -> dict | None:
     """The config saved with the checkpoint load_params would read first (None if none)."""
     directory, step = find_checkpoint_dir(path)
     manager = checkpoint.Manager(directory, read_only=True)
     try:
-        for s in reversed(manager.steps() if step is None else [step]):
-            try:
-                return manager.read_json(s, "config").get("config")
-            except CorruptCheckpoint:
-                continue
+        found = _newest_config(manager, step)
     finally:
         manager.close()
-    return None
+    return None if found is None else found[1]
 
 
 def check_params(path: str | Path, abstract_params, log=print, split=None, model=None) -> None:
@@ -62,14 +69,9 @@ def check_params(path: str | Path, abstract_params, log=print, split=None, model
     directory, step = find_checkpoint_dir(path)
     manager = checkpoint.Manager(directory, read_only=True)
     try:
-        for s in reversed(manager.steps() if step is None else [step]):
-            try:
-                saved = manager.read_json(s, "config").get("config")
-            except CorruptCheckpoint:
-                continue  # load_params reports it and tries an older one
-            manager.check_usable(s, {"params": abstract_params},
+        if (found := _newest_config(manager, step)) is not None:
+            manager.check_usable(found[0], {"params": abstract_params},
                                  lambda config, where: _check(config, where, split, model, log))
-            return
     finally:
         manager.close()
 

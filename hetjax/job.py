@@ -181,8 +181,8 @@ class MeshJob:
                     if (state := self.checkpoints.read_json_or_none(saved[-1], "data")) is not None:
                         check_saved_state(state, dataset.fingerprint)
                 elif cfg.init_from:
-                    model_order, abstract = _init_layout(cfg, prog, split)
-                    checkpoint_init.check_params(cfg.init_from, abstract.params, log,
+                    model_order, init_abstract = _init_layout(cfg, prog, split)  # read below too
+                    checkpoint_init.check_params(cfg.init_from, init_abstract.params, log,
                                                  None if model_order else split, cfg.model)
             except BaseException:
                 self.checkpoints.close()  # no orbax thread outlives a refused start
@@ -206,14 +206,13 @@ class MeshJob:
             log(f"resumed from step {self.start} of {self.checkpoints.directory} "
                 f"(parameter checksum {checkpoint.params_checksum_of(restored.meta)})")
         elif cfg.init_from:  # check_params warned of model differences
-            model_order, abstract = _init_layout(cfg, prog, split)
             if model_order:  # an unpipelined run's or an import's layers, into the split's padded rows
                 # Read split over the stages where the layers divide among them; else each stage
                 # holds every layer until to_stages (the stages x its own for that moment).
                 rules = (program.rules(cfg, prog.plan) if cfg.model.num_layers % prog.plan.stages == 0
                          else cfg.sharding.rules)
-                shardings = sharding.state_shardings(abstract, mesh, rules)
-                params = checkpoint_init.load_params(cfg.init_from, abstract.params, shardings.params, log)
+                shardings = sharding.state_shardings(init_abstract, mesh, rules)
+                params = checkpoint_init.load_params(cfg.init_from, init_abstract.params, shardings.params, log)
                 params = jax.jit(lambda p: to_stages(p, prog.plan.layout),
                                  out_shardings=prog.state_shardings.params)(params)
             else:

@@ -138,7 +138,7 @@ def _wandb_logged_in() -> bool:
     import configparser
     import netrc
     from urllib.parse import urlparse
-    url = os.environ.get("WANDB_BASE_URL")
+    url, default = os.environ.get("WANDB_BASE_URL"), _wandb_default_url()
     if not url:
         settings = configparser.ConfigParser()
         folder = os.environ.get("WANDB_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".config", "wandb")
@@ -146,10 +146,10 @@ def _wandb_logged_in() -> bool:
             settings.read(os.path.join(folder, "settings"))
         except configparser.Error:
             pass
-        url = settings.get("default", "base_url", fallback=_wandb_default_url())
+        url = settings.get("default", "base_url", fallback=default)
     parsed = urlparse(url)
     hosts = [parsed.netloc, parsed.hostname]
-    if url == _wandb_default_url():  # wandb falls back to the upstream server's key (wandb 0.31's forge)
+    if url == default:  # wandb falls back to the upstream server's key (wandb 0.31's forge)
         hosts.append("api.wandb.ai")
     try:
         entries = netrc.netrc(os.environ.get("NETRC"))
