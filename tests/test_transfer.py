@@ -241,24 +241,37 @@ def _corrupting_proxy(upstream: str, flip_at: int) -> str:
     return f"127.0.0.1:{listener.getsockname()[1]}"
 
 
-@pytest.mark.parametrize("rows,chunk_bytes", [(64, 4096), (512, 4096), (2048, 256 << 10)],
-                         ids=["one-batch-frame", "small-chunks-batched", "large-chunks"])
+@pytest.mark.parametrize("rows,chunk_bytes,flip", [(64, 4096, 4000), (512, 4096, 4000), (2048, 256 << 10, 4000),
+                                                   (4096, 1 << 20, 700_000)],
+                         ids=["one-batch-frame", "small-chunks-batched", "large-chunks", "a-later-slice"])
 @pytest.mark.parametrize("checksum", CHECKSUMS)
-def test_corrupted_chunk_is_detected(checksum, rows, chunk_bytes):
+def test_corrupted_chunk_is_detected(checksum, rows, chunk_bytes, flip):
     a, b = endpoints("host", streams=1, chunk_bytes=chunk_bytes, timeout_s=3.0, checksum=checksum)
     sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P())
     # 16 KiB goes as one frame, 128 KiB in small chunks written together, 512 KiB in chunks
-    # larger than wire.SMALL (a write each)
+    # larger than wire.SMALL (a write each), 1 MiB in one chunk of four wire.SLICEs
     x = random_array((rows, 64), "float32", 1, sh)
     r = b.recv("t", jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), sh)
     # 64 handshake bytes, then the header(s) (~300 bytes a chunk), then payload: byte
-    # 4000 lies in the first chunk's payload of either frame kind.
-    h = a.send(x, "t", sh, peers={0: (_corrupting_proxy(b.addresses[0], 64 + 4000),)})
+    # 4000 lies in the first chunk's payload of either frame kind, 700,000 in the third slice.
+    h = a.send(x, "t", sh, peers={0: (_corrupting_proxy(b.addresses[0], 64 + flip),)})
     with pytest.raises(TransferError, match=f"failed its {checksum} check"):
         r.wait()
     with pytest.raises(TransferError):
         h.wait()
     a.close(), b.close()
+
+
+@pytest.mark.parametrize("checksum", CHECKSUMS)
+def test_a_chunk_summed_slice_by_slice_has_the_whole_chunks_checksum(checksum):
+    """Both sides sum a chunk a slice at a time (wire.Sum); a small message's chunks are
+    summed whole (wire.chunk_sum, the checksum function itself): the two must agree."""
+    payload = np.random.default_rng(0).integers(0, 256, 3 * wire.SLICE + 1000, dtype=np.uint8).tobytes()
+    total = wire.Sum(checksum, 3, 1, 2, 4096, len(payload))
+    for at in range(0, len(payload), 77_777):  # slices of any size, in order
+        total.update(payload[at:at + 77_777])
+    assert total.value() == wire.chunk_sum(checksum, 3, 1, 2, 4096, payload)
+    assert total.value() != wire.chunk_sum(checksum, 3, 1, 2, 0, payload)  # the offset is in the seed
 
 
 def test_wrong_shape_dtype_or_tag_is_refused():
@@ -578,8 +591,8 @@ def test_the_rest_of_a_message_whose_receive_was_withdrawn_is_refused_not_landed
 
     def chunk(k):
         payload = memoryview(stale[4096 * k:4096 * (k + 1)])
-        return wire.frame(wire.CHUNK, dict(meta, offset=4096 * k, sum=wire.chunk_sum(b.checksum, 1, 0, 0, 4096 * k,
-                                                                                    payload))) + payload.tobytes()
+        return (wire.frame(wire.CHUNK, dict(meta, offset=4096 * k)) + payload.tobytes()
+                + wire.TRAILER.pack(wire.chunk_sum(b.checksum, 1, 0, 0, 4096 * k, payload)))
     try:
         r = b.recv("t", like, one)
         sock = wire.connect(b.addresses[0], LinkConfig().secret(), 5)
@@ -835,10 +848,10 @@ def test_a_damaged_header_or_a_repeated_chunk_is_refused(monkeypatch):
         sock = wire.connect(b.addresses[0], LinkConfig().secret(), 5)
         first = memoryview(np.arange(1024, dtype=np.int32).view(np.uint8))
         meta = {"tag": "u", "leaves": 1, "leaf": 0, "piece": 0, "shape": [3072], "dtype": "int32",
-                "region": [[0, 3072]], "offset": 0, "n": 4096,
-                "sum": wire.chunk_sum(b.checksum, 1, 0, 0, 0, first)}
+                "region": [[0, 3072]], "offset": 0, "n": 4096}
+        trailer = wire.TRAILER.pack(wire.chunk_sum(b.checksum, 1, 0, 0, 0, first))
         for _ in range(3):  # chunk 0 three times, chunks 1 and 2 never
-            wire.sendall(sock, wire.frame(wire.CHUNK, meta) + first.tobytes(), "b")
+            wire.sendall(sock, wire.frame(wire.CHUNK, meta) + first.tobytes() + trailer, "b")
         wire.sendall(sock, wire.frame(wire.END, {"tag": "u"}), "b")
         with pytest.raises(TransferError, match=r"sent bytes 0\.\.4096 of leaf 0, piece 0 again"):
             r.wait()

@@ -3,10 +3,10 @@
 Each process listens on its NIC addresses (loopback by default). A sender opens `streams`
 connections to each destination process it feeds (stream i to the peer's address i % len),
 proves the job's shared secret by HMAC challenge-response (both ways), then pushes chunks:
-a JSON header (tag, leaf, piece, shape, dtype, region, offset, length, checksum) and the
-payload (a message of at most 64 KiB: one frame, all headers then all payloads). The
-receiver checks each header against its own plan before reading the payload into place,
-verifies the checksum, and moves a block to the device as soon as its pieces are in.
+a JSON header (tag, leaf, piece, shape, dtype, region, offset, length), the payload and
+its checksum (a message of at most 64 KiB: one frame, all headers and checksums, then all
+payloads). The receiver checks each header against its own plan before reading the
+payload into place, sums it slice by slice as it lands, checks the sum, and moves a block to the device as soon as its pieces are in.
 This module is the endpoint and its receiving side; a posted receive is inbox.py, the
 frames, the handshake and the pings are in wire.py, the sending streams in stream.py.
 """
@@ -47,7 +47,7 @@ class HostEndpoint(Endpoint):
     def __init__(self, cfg, process_index=None):
         super().__init__(cfg, process_index)
         self._secret = cfg.secret()
-        self.checksum = wire.CHECKSUM_FUNCTIONS[cfg.checksum]
+        self.checksum = cfg.checksum  # wire.CHECKSUM_FUNCTIONS' name
         self._inboxes: dict[str, Inbox] = {}
         self._sending: set[str] = set()  # the tags of sends in flight
         self.buffers = buffers.BufferPool()  # where received pieces land
@@ -294,8 +294,9 @@ class HostEndpoint(Endpoint):
         i, j, offset, n, view = inbox.place(peer, meta)
         inbox.claim(i, j, offset, n, peer)
         inbox.handle.arriving()
-        wire.recv_into(conn, view, peer)
-        inbox.verify(peer, meta, view)
+        total = wire.Sum(self.checksum, meta["leaves"], i, j, offset, n)
+        sent = wire.recv_summed(conn, view, total, peer)
+        inbox.verify(peer, meta, n, total.value(), sent)
         inbox.activity.touch()
         with self._gate:  # several streams count at once
             self.bytes_received += n
@@ -314,7 +315,8 @@ class HostEndpoint(Endpoint):
         wire.recv_into(conn, payloads, peer)
         at = 0
         for meta, (i, j, offset, n, view) in zip(metas, places):
-            inbox.verify(peer, meta, payloads[at:at + n])
+            inbox.verify(peer, meta, n, wire.chunk_sum(self.checksum, meta["leaves"], i, j, offset, payloads[at:at + n]),
+                         meta["sum"])
             inbox.claim(i, j, offset, n, peer)
             view[:] = payloads[at:at + n]
             at += n

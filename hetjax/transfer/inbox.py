@@ -104,11 +104,12 @@ class Inbox:
                                 f"piece of {word}-byte words; a chunk is whole words inside its piece")
         return i, j, offset, n, memoryview(buf)[offset:offset + n]
 
-    def verify(self, peer, meta: dict, payload) -> None:
-        i, j, offset = meta["leaf"], meta["piece"], meta["offset"]
-        if wire.chunk_sum(self.endpoint.checksum, meta["leaves"], i, j, offset, payload) != meta["sum"]:
+    def verify(self, peer, meta: dict, n: int, computed: int, sent) -> None:
+        """Refuses a chunk of n bytes whose checksum, computed here, is not the one sent."""
+        if computed != sent:
+            i, j, offset = meta["leaf"], meta["piece"], meta["offset"]
             raise TransferError(f"recv {self.tag!r}: a chunk from peer {peer} (leaf {i}, piece {j}, bytes "
-                                f"{offset}..{offset + len(payload)}) failed its {self.endpoint.cfg.checksum} "
+                                f"{offset}..{offset + n}) failed its {self.endpoint.cfg.checksum} "
                                 f"check: the data was corrupted")
 
     def claim(self, i: int, j: int, offset: int, n: int, peer) -> None:

@@ -197,7 +197,8 @@ class Stream:
             # Every chunk's copy off the device starts before the first is waited for.
             hosts = [_host_chunk(job, k, self.endpoint) for k in range(len(chunks))]
             payloads = [_payload(h) for h in hosts]
-            sums = [_sum(job, k, payload, self.endpoint) for k, payload in enumerate(payloads)]
+            sums = [wire.chunk_sum(self.endpoint.checksum, len(job.leaves), i, j, offset, payload)
+                    for (i, j, _, _, offset), payload in zip(chunks, payloads)]
             wire.sendall(self.sock, b"".join([wire.batch_frame(job.tag, fields, sums), *payloads]), self.address)
             with _counted:
                 job.handle.wire_bytes += sum(map(len, payloads))
@@ -208,13 +209,16 @@ class Stream:
         for k in range(len(chunks)):
             data, copy = copy, (_host_chunk(job, k + 1, ep) if k + 1 < len(chunks) else None)
             payload = _payload(data)
-            frame = wire.chunk_frame(tag, fields[k], _sum(job, k, payload, ep))
+            i, j, _, _, offset = chunks[k]
+            total = wire.Sum(ep.checksum, len(job.leaves), i, j, offset, payload.nbytes)
+            frame = wire.chunk_frame(tag, fields[k])
             if payload.nbytes <= wire.SMALL and sum(map(len, pending)) <= wire.SMALL:
-                pending += [frame, payload.tobytes()]
+                total.update(payload)
+                pending += [frame, payload.tobytes(), total.trailer()]
             else:
                 self._refused(job)
                 wire.sendall(sock, b"".join(pending) + frame, address)
-                wire.sendall(sock, payload, address)
+                wire.send_summed(sock, payload, total, address)
                 pending = []
             with _counted:
                 job.handle.wire_bytes += payload.nbytes
@@ -251,11 +255,6 @@ class Stream:
 
 def _payload(data) -> memoryview:
     return memoryview(np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8))
-
-
-def _sum(job: Job, k: int, payload: memoryview, endpoint) -> int:
-    i, j, _, _, offset = job.part.chunks[k]
-    return wire.chunk_sum(endpoint.checksum, len(job.leaves), i, j, offset, payload)
 
 
 def _host_chunk(job: Job, k: int, endpoint):
