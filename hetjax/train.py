@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             # waiting for the host.
             flush()
             previous = (s, step_metrics)
-            if cfg.eval_every and (s + 1) % cfg.eval_every == 0:
+            # The final eval too goes before the last step's save: a run killed once that
+            # checkpoint is written resumes at config.steps, with nothing left to do.
+            if cfg.eval_every and ((s + 1) % cfg.eval_every == 0 or s + 1 == cfg.steps):
                 flush()
                 evaluate(s)
             job.check_identical(state, s + 1)  # islands that must agree bit for bit, every N steps
@@ -176,8 +178,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(line, flush=True)
                 return status
         flush()
-        if cfg.eval_every and cfg.steps % cfg.eval_every and start < cfg.steps:
-            evaluate(cfg.steps - 1)
         if cfg.steps not in ckpt.steps():
             save(cfg.steps)
     finally:

@@ -301,3 +301,24 @@ def test_a_sigterm_in_the_last_step_finishes_the_run_with_its_final_eval(tmp_pat
     assert [r["step"] for r in rows if "loss" in r] == list(range(steps))
     assert [r["step"] for r in rows if "eval_loss" in r] == [1, steps - 1]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())[-1] == str(steps)
+
+
+def test_the_final_eval_is_logged_before_the_final_checkpoint_is_saved(tmp_path, monkeypatch):
+    """A run killed once its last step's checkpoint was written resumes at config.steps and
+    does nothing more: its final eval must already be in metrics.jsonl by then. (It was
+    run after that save when config.checkpoint.every divided config.steps and eval_every
+    did not, and so was lost to a SIGKILL between the two.)"""
+    from hetjax import checkpoint
+    real_save, seen = checkpoint.Manager.save, {}
+
+    def save(self, step, *args):
+        log = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        seen[step] = sorted(json.loads(l)["step"] for l in log if "eval_loss" in json.loads(l))
+        return real_save(self, step, *args)
+
+    monkeypatch.setattr(checkpoint.Manager, "save", save)
+    code, _, rows = run_main(tmp_path, "--config.steps=6", "--config.eval_every=4", "--config.eval_batches=1",
+                             "--config.checkpoint.every=3", "--config.tensorboard=false")
+    assert code == 0
+    assert seen == {3: [], 6: [3, 5]}  # the final eval (after step index 5) came before step 6's save
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 5]
