@@ -173,6 +173,7 @@ class MeshJob:
             # The checkpoint to resume (or config.init_from's) must fit this run: said from
             # its metadata before the compile, not after it. (An interleaved pipeline's layers
             # are a permutation of the model's, of the same shapes.)
+            init_abstract = None  # config.init_from's layout, once read
             try:
                 if saved := self.checkpoints.steps():
                     checkpoint_fit.check_not_past(cfg, saved[-1], self.checkpoints.directory)
@@ -206,6 +207,8 @@ class MeshJob:
             log(f"resumed from step {self.start} of {self.checkpoints.directory} "
                 f"(parameter checksum {checkpoint.params_checksum_of(restored.meta)})")
         elif cfg.init_from:  # check_params warned of model differences
+            if init_abstract is None:  # a checkpoint was there before the compile, and is gone
+                model_order, init_abstract = _init_layout(cfg, prog, split)
             if model_order:  # an unpipelined run's or an import's layers, into the split's padded rows
                 # Read split over the stages where the layers divide among them; else each stage
                 # holds every layer until to_stages (the stages x its own for that moment).
