@@ -112,7 +112,8 @@ class Links:
             raise IslandLost(f"island {self.names[j]} ({ranks}) stopped answering island "
                              f"{self.names[self.k]}: {e}") from e
         except TransferError as e:
-            raise TransferError(f"link from island {self.names[self.k]} to island {self.names[j]}: {e}") from e
+            src, dst = (self.k, j) if sent else (j, self.k)
+            raise TransferError(f"link from island {self.names[src]} to island {self.names[dst]}: {e}") from e
         finally:
             self.timeline.waited(handle, t, sent)
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core
 from jax._src.interpreters import pxla
+from jax.experimental import layout as memory_layout
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetjax.transfer.buffers import aligned_empty
@@ -295,6 +296,13 @@ def device_piece(array: jax.Array, plan: Plan, piece) -> jax.Array:
     data = shard_on(array, piece.src)
     within = plan.src_regions[piece.src]
     if piece.region == within:
+        # Offered as it lies in memory, and read row-major: a shard of another layout
+        # (a program's chosen output Format) goes to row-major first.
+        layout = getattr(data.format, "layout", None)
+        row_major = tuple(range(data.ndim))
+        if layout is not None and tuple(layout.major_to_minor) != row_major:
+            data = jax.device_put(data, memory_layout.Format(memory_layout.Layout(major_to_minor=row_major),
+                                                             data.sharding))
         return data
     return jax.lax.bitcast_convert_type(as_bits(data)[local_slices(piece.region, within)], data.dtype)
 

@@ -295,7 +295,10 @@ class HostEndpoint(Endpoint):
         inbox.claim(i, j, offset, n, peer)
         inbox.handle.arriving()
         total = wire.Sum(self.checksum, meta["leaves"], i, j, offset, n)
-        sent = wire.recv_summed(conn, view, total, peer)
+        try:
+            sent = wire.recv_summed(conn, view, total, peer)
+        except TransferTimeout as e:  # PeerLost too
+            raise inbox.cut(e, i, j) from None
         inbox.verify(peer, meta, n, total.value(), sent)
         inbox.activity.touch()
         with self._gate:  # several streams count at once
@@ -312,7 +315,10 @@ class HostEndpoint(Endpoint):
                                 f"most {wire.SMALL}")
         inbox.handle.arriving()
         payloads = memoryview(bytearray(total))
-        wire.recv_into(conn, payloads, peer)
+        try:
+            wire.recv_into(conn, payloads, peer)
+        except TransferTimeout as e:
+            raise inbox.cut(e, *places[0][:2]) from None
         at = 0
         for meta, (i, j, offset, n, view) in zip(metas, places):
             inbox.verify(peer, meta, n, wire.chunk_sum(self.checksum, meta["leaves"], i, j, offset, payloads[at:at + n]),

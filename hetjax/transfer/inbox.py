@@ -3,6 +3,7 @@ them are still missing (and from which sender), and the blocks built from them."
 
 from __future__ import annotations
 
+import bisect
 import functools
 import threading
 import time
@@ -112,15 +113,22 @@ class Inbox:
                                 f"{offset}..{offset + n}) failed its {self.endpoint.cfg.checksum} "
                                 f"check: the data was corrupted")
 
+    def cut(self, error: TransferError, i: int, j: int) -> TransferError:
+        """A stream that went silent or ended inside piece j of leaf i: the same error,
+        naming this receive and the process sending (its stream's port names none)."""
+        src = self.expect.plans[i].pieces[j].src_process
+        return type(error)(f"recv {self.tag!r} from source process {src}: {error}")
+
     def claim(self, i: int, j: int, offset: int, n: int, peer) -> None:
         """Refuses bytes of a piece that already arrived: counted twice, they would finish
         the receive with other bytes never written (a repeated or stale chunk)."""
         with self.lock:
-            ranges = self.ranges.setdefault((i, j), [])
-            if any(offset < end and start < offset + n for start, end in ranges):
+            ranges = self.ranges.setdefault((i, j), [])  # (start, end), sorted and disjoint
+            k = bisect.bisect(ranges, (offset, offset + n))
+            if (k and ranges[k - 1][1] > offset) or (k < len(ranges) and ranges[k][0] < offset + n):
                 raise TransferError(f"recv {self.tag!r}: peer {peer} sent bytes {offset}..{offset + n} of leaf {i}, "
                                     f"piece {j} again; a message's bytes arrive once")
-            ranges.append((offset, offset + n))
+            ranges.insert(k, (offset, offset + n))
 
     def arrived(self, i: int, j: int, offset: int, n: int) -> None:
         """Counts n verified bytes of piece j of leaf i; finishes blocks and the receive."""

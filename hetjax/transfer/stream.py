@@ -45,7 +45,10 @@ def part(leaves, chunks) -> Part:
         n = volume(sub) * np.dtype(x.dtype).itemsize
         fields.append(wire.chunk_fields(len(leaves), i, j, x.shape, x.dtype, piece.region, offset, n))
         total += n
-    return Part(chunks, fields, total <= wire.SMALL)
+    # One BATCH frame holds every chunk's header (and its sum, up to 30 characters more):
+    # many tiny pieces (a transpose of small arrays) go as chunks, each a frame of its own.
+    headers = sum(len(f) + 32 for f in fields)
+    return Part(chunks, fields, total <= wire.SMALL and headers <= wire.MAX_HEADER // 2)
 
 
 class Route(typing.NamedTuple):
@@ -231,8 +234,11 @@ class Stream:
         message comes in. Read only at the end, a refusal was lost when the rest of a large
         message took longer to write than the receiver drains it for (then it closes, and
         the sender saw a lost peer)."""
-        try:  # (a socket with a timeout waits in recv even with MSG_DONTWAIT: select first)
-            waiting = select.select([self.sock], [], [], 0)[0] and self.sock.recv(1, socket.MSG_PEEK)
+        try:  # (a socket with a timeout waits in recv even with MSG_DONTWAIT: poll first;
+            # select() refuses descriptors from 1024 on, which a busy trainer reaches)
+            poll = select.poll()
+            poll.register(self.sock, select.POLLIN)
+            waiting = poll.poll(0) and self.sock.recv(1, socket.MSG_PEEK)
         except OSError:  # the next write names the loss
             return
         if waiting:

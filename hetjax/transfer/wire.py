@@ -40,6 +40,7 @@ REFUSE = 5
 PING, PONG = 6, 7
 CHECKSUM_FUNCTIONS = {"xxh3": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32, "adler32": zlib.adler32}
 SMALL = 64 << 10  # a chunk (or a whole message) this small goes out with its header(s) in one write
+MAX_HEADER = 1 << 20  # a frame's JSON header, at most: a longer one is refused unread
 TRAILER = struct.Struct("<Q")  # a CHUNK's checksum, after its payload
 # A chunk is summed and moved this much at a time. Summed whole, an 8 MiB chunk is read
 # from memory once more on each side (xxh3 ran at 8 GB/s there against 24-35 GB/s in
@@ -187,9 +188,11 @@ def read_frame(sock, peer: str, idle_ok: bool, timeout_s: float) -> tuple[int, d
     else:
         raw = recv_exact(sock, FRAME.size, peer)
     magic, kind, n = FRAME.unpack(raw)
-    if magic != MAGIC or n > 1 << 20:
+    if magic != MAGIC:
         raise TransferError(f"peer {peer} sent a frame that is not a hetjax transfer frame (or one of another "
                             f"hetjax version: both sides must run the same)")
+    if n > MAX_HEADER:
+        raise TransferError(f"peer {peer} sent a frame header of {n} bytes; at most {MAX_HEADER} are read")
     return kind, json.loads(recv_exact(sock, n, peer))
 
 
