@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
              else "the islands' processes share them all"), flush=True)
 
     # Each run compiles afresh into its own cache (a direct run after a host run of the same
-    # programs, from a warm cache, stalled its first transfer here: see the README).
+    # programs, from a warm cache, stalled its first transfer here: docs/measurements.md).
     kind = "data axis" if cfg.hetero.placement == "data" else "SPMD pipeline"
     one = {**overrides, **one_island_overrides(cfg), "run_dir": str(work / "one_island"),
            "compile.cache_dir": str(work / "cache_one")}

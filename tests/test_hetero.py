@@ -205,6 +205,8 @@ def test_bad_island_configs_are_refused_naming_the_field(hetero, match):
 
 @pytest.mark.parametrize("overrides, hetero, match", [
     ({"pipeline.microbatches": "16"}, {}, "a micro-batch of .* = 1 rows does not split over .*islands\\[0\\]"),
+    # The remainder first: a micro-batch check of 16/3 = 5 rows blamed the sharding.
+    ({"pipeline.microbatches": "3"}, {}, "config.batch_size=16 is not divisible by config.pipeline.microbatches=3"),
     ({"optim.grad_accum_steps": "2"}, {}, "grad_accum_steps=2 .* the islands are the stages"),
     ({"checkpoint.keep": "1"}, {}, "checkpoint.keep=1 with islands"),
     ({"pipeline.virtual_stages": "2", "pipeline.schedule": "1f1b_fused"}, {},

@@ -150,9 +150,16 @@ def test_the_command_draws_every_schedule_the_interleaved_ones_included(capsys):
     assert heads == [*pipeline.KINDS, "gpipe x2 virtual", "1f1b_fused x2 virtual"]
     assert "F0.1" in out and "B3.0" in out  # micro-batch 0 through chunk 1, 3's backward through chunk 0
     assert main(["--schedule", "1f1b", "--virtual-stages", "2"]) == 2
-    assert "virtual_stages=2" in capsys.readouterr().err
+    assert "--virtual-stages 2 with schedule='1f1b'" in capsys.readouterr().err  # this command's option
     assert main(["--virtual-stages", "0"]) == 2  # was taken for the default, 2
     assert "--virtual-stages=0" in capsys.readouterr().err
+    # Fewer micro-batches than stages: 1F1B's refusal drew nothing, gpipe's timelines included.
+    assert main(["--stages", "3", "--microbatches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if "micro-batches" in line] == ["gpipe", "gpipe x2 virtual"]
+    assert "1F1B schedules left out: --microbatches 2 is below --stages 3" in out
+    assert main(["--stages", "3", "--microbatches", "2", "--schedule", "1f1b"]) == 2
+    assert "--microbatches 2 is smaller than the 3 pipeline stages" in capsys.readouterr().err
 
 
 def test_the_command_names_its_pictures_by_the_file_name_only(tmp_path, capsys, monkeypatch):
@@ -470,8 +477,6 @@ def test_1f1b_memory_does_not_grow_with_microbatches_like_gpipe():
      r"batch_size=8 is not divisible by config.pipeline.microbatches=3"),
     (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("pipedream")), r"schedule='pipedream'"),
     (dict(mesh=MeshConfig(pipeline=2), optim=OptimConfig(grad_accum_steps=2)), r"grad_accum_steps=2"),
-    (dict(mesh=MeshConfig(pipeline=-1, fsdp=1), optim=OptimConfig(grad_accum_steps=2)),
-     r"grad_accum_steps=2 with config.mesh.pipeline=-1"),  # the pipelined step ignored it
     (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("gpipe", virtual_stages=0)), r"virtual_stages=0"),
     (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("1f1b", virtual_stages=2)),
      r"virtual_stages=2 with config.pipeline.schedule='1f1b'"),
@@ -483,6 +488,18 @@ def test_1f1b_memory_does_not_grow_with_microbatches_like_gpipe():
 def test_bad_pipeline_configs_are_refused(changes, match):
     with pytest.raises(ConfigError, match=match):
         validate(dataclasses.replace(CFG, **changes))
+
+
+def test_gradient_accumulation_is_refused_only_where_mesh_pipeline_minus_one_makes_stages():
+    """Refused before the mesh was known, -1 that came to 1 stage (no pipeline at all) could
+    not accumulate, and the error's advice (micro-batches) was ignored there."""
+    cfg = dataclasses.replace(CFG, mesh=MeshConfig(pipeline=-1, fsdp=1), optim=OptimConfig(grad_accum_steps=2))
+    validate(cfg)
+    with pytest.raises(ConfigError, match=r"grad_accum_steps=2 with config.mesh.pipeline=-1 \(2 stages\)"):
+        pipeline.make_plan(cfg, make_mesh(cfg.mesh, jax.devices()[:2]))  # the pipelined step ignored it
+    one = dataclasses.replace(cfg, mesh=MeshConfig(pipeline=-1, fsdp=2))
+    validate(one)
+    assert pipeline.make_plan(one, make_mesh(one.mesh, jax.devices()[:2])) is None  # the plain step accumulates
 
 
 def test_refuses_a_microbatch_that_data_parallelism_cannot_split():
@@ -575,3 +592,13 @@ def test_an_uneven_split_s_checkpoint_is_refused_by_another_uneven_split(tmp_pat
     norms = [hf[f"model.layers.{i}.input_layernorm.weight"].get(f"model.layers.{i}.input_layernorm.weight")
              for i in range(4)]
     assert all(np.abs(n).sum() > 0 for n in norms) and f"model.layers.4.input_layernorm.weight" not in hf
+
+
+def test_the_plan_describes_interleaved_chunks_as_chunks():
+    """V=2 over 2 stages printed '2 stages of (1, 1, 1, 1) layers': chunk sizes as stages'."""
+    cfg = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, num_layers=4),
+                              mesh=MeshConfig(pipeline=2, fsdp=1), pipeline=PipelineConfig("gpipe", 4, virtual_stages=2))
+    text = pipeline.make_plan(cfg, make_mesh(cfg.mesh, jax.devices()[:2])).describe()
+    assert "2 stages x 2 interleaved chunks of 1 layers, 4 micro-batches" in text, text
+    even = dataclasses.replace(cfg, pipeline=PipelineConfig("gpipe", 4))
+    assert "2 stages of (2, 2) layers" in pipeline.make_plan(even, make_mesh(even.mesh, jax.devices()[:2])).describe()

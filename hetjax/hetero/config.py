@@ -144,6 +144,9 @@ def validate_hetero(cfg) -> None:
                 f"config.optim.grad_accum_steps={cfg.optim.grad_accum_steps} / config.pipeline."
                 f"stage_layers={cfg.pipeline.stage_layers} with placement='pipeline': the islands are "
                 f"the stages; set config.pipeline.microbatches and config.hetero.island_layers instead")
+        if cfg.pipeline.microbatches > 0 and cfg.batch_size % cfg.pipeline.microbatches:  # before the rows
+            raise ConfigError(f"config.batch_size={cfg.batch_size} is not divisible by "
+                              f"config.pipeline.microbatches={cfg.pipeline.microbatches}")
         for k, island in enumerate(h.islands):
             check_microbatch_rows(cfg.batch_size, max(cfg.pipeline.microbatches, 1), cfg.sharding.rules,
                                   island_mesh_sizes(island), f"config.hetero.islands[{k}]'s ")
@@ -154,9 +157,6 @@ def validate_hetero(cfg) -> None:
         if cfg.pipeline.schedule.startswith("1f1b") and cfg.pipeline.microbatches < n:
             raise ConfigError(f"config.pipeline.microbatches={cfg.pipeline.microbatches} is below the {n} "
                               f"islands: 1F1B never fills the pipeline; use at least {n}")
-        if cfg.batch_size % cfg.pipeline.microbatches:
-            raise ConfigError(f"config.batch_size={cfg.batch_size} is not divisible by "
-                              f"config.pipeline.microbatches={cfg.pipeline.microbatches}")
     if h.links and len(h.links) != n - 1:
         raise ConfigError(f"config.hetero.links has {len(h.links)} entries for {n} islands: give one "
                           f"LinkConfig per neighbouring pair ({n - 1}), or set config.hetero.link for all")

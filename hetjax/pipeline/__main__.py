@@ -33,7 +33,16 @@ def draw(args) -> int:
     else:
         V = args.virtual_stages or 2
         wanted = [(k, 1) for k in KINDS] + ([(k, V) for k in VIRTUAL_KINDS] if V > 1 else [])
-    schedules = [make_schedule(k, args.stages, args.microbatches, v) for k, v in wanted]
+        if 0 < args.microbatches < args.stages:  # the others are still worth drawing
+            print(f"(1F1B schedules left out: --microbatches {args.microbatches} is below --stages "
+                  f"{args.stages}, and 1F1B never fills such a pipeline; gpipe is drawn)\n")
+            wanted = [(k, v) for k, v in wanted if not k.startswith("1f1b")]
+    try:
+        schedules = [make_schedule(k, args.stages, args.microbatches, v) for k, v in wanted]
+    except ConfigError as e:  # said in this command's options, not the config's
+        raise ConfigError(str(e).replace("config.pipeline.microbatches=", "--microbatches ")
+                          .replace("config.pipeline.virtual_stages=", "--virtual-stages ")
+                          .replace("schedule='gpipe'", "--schedule gpipe")) from None
     if args.png:
         cli.need("matplotlib", "plot", "--png")
     for schedule in schedules:

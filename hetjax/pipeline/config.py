@@ -28,7 +28,7 @@ class PipelineConfig:
     scan_layers: bool = False
     # Islands (pipeline placement): False keeps each forward's residuals on its island
     # until its backward, which then need not run the forward again (measured faster:
-    # README, "The first island's second forward, removed"); True recomputes the forward from the
+    # docs/measurements.md, "The first island's second forward, removed"); True recomputes from the
     # stashed stage input, holding only that input per micro-batch in flight. The
     # one-program pipeline always recomputes: keeping residuals in its tick loop's carry
     # measured 1.4-1.7x slower (docs/DESIGN.md). The losses are the same.
@@ -55,12 +55,9 @@ def validate_pipeline(cfg, check_batch: bool = True) -> None:
             raise ConfigError(f"config.pipeline.virtual_stages={V} with config.mesh.pipeline=1: interleaved "
                               f"chunks need pipeline stages; set config.mesh.pipeline > 1 or virtual_stages=1")
         return
-    if cfg.optim.grad_accum_steps != 1:  # -1 too: the pipelined step would ignore it
-        raise ConfigError(
-            f"config.optim.grad_accum_steps={cfg.optim.grad_accum_steps} with config.mesh.pipeline="
-            f"{stages}: the pipeline already splits the batch; set config.pipeline.microbatches instead")
-    if stages == -1 and not p.stage_layers:
+    if stages == -1 and not p.stage_layers:  # the stages are counted on the mesh (spmd.make_plan)
         return
+    check_no_grad_accum(cfg, stages)
     if V > 1 and p.stage_layers:
         raise ConfigError(f"config.pipeline.stage_layers={p.stage_layers} with config.pipeline.virtual_stages="
                           f"{V}: interleaved chunks split the layers evenly; set stage_layers=()")
@@ -95,3 +92,12 @@ def validate_pipeline(cfg, check_batch: bool = True) -> None:
         raise ConfigError(
             f"config.batch_size={cfg.batch_size} is not divisible by config.pipeline.microbatches="
             f"{p.microbatches}; make the batch a multiple of the micro-batch count")
+
+
+def check_no_grad_accum(cfg, stages: int) -> None:
+    """Gradient accumulation is refused beside pipeline stages (the pipelined step would ignore it)."""
+    if cfg.optim.grad_accum_steps != 1:  # -1 too
+        raise ConfigError(
+            f"config.optim.grad_accum_steps={cfg.optim.grad_accum_steps} with config.mesh.pipeline="
+            f"{cfg.mesh.pipeline} ({stages} stages): the pipeline already splits the batch; set "
+            f"config.pipeline.microbatches instead")

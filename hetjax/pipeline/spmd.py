@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax import sharding, step
 from hetjax.errors import ConfigError
+from hetjax.pipeline.config import check_no_grad_accum
 from hetjax.pipeline.schedule import Schedule, forward_only, make_schedule
 from hetjax.pipeline.stages import StageLayout, make_layout, map_blocks, stage_backward, stage_forward
 
@@ -64,10 +65,12 @@ class Plan:
         return self.schedule.slots()[3]
 
     def describe(self) -> str:
-        return (f"pipeline: {self.schedule.name}, {self.stages} stages of {self.layout.stage_layers} "
-                f"layers, {self.microbatches} micro-batches, {self.schedule.ticks} ticks; predicted "
-                f"bubble {self.schedule.bubble_fraction():.1%}; at most {self.slots} stashed "
-                f"stage inputs per stage")
+        layout = self.layout
+        layers = (f"of {layout.stage_layers} layers" if layout.virtual == 1 else
+                  f"x {layout.virtual} interleaved chunks of {layout.stage_layers[0]} layers")
+        return (f"pipeline: {self.schedule.name}, {self.stages} stages {layers}, {self.microbatches} "
+                f"micro-batches, {self.schedule.ticks} ticks; predicted bubble {self.schedule.bubble_fraction():.1%}; "
+                f"at most {self.slots} stashed stage inputs per stage")
 
 
 def make_plan(cfg, mesh: Mesh) -> Plan | None:
@@ -84,6 +87,7 @@ def make_plan(cfg, mesh: Mesh) -> Plan | None:
                 f"mesh: there are no stages to interleave or split; give config.mesh.pipeline a size > 1, or "
                 f"drop {'them' if len(given) > 1 else 'it'}")
         return None
+    check_no_grad_accum(cfg, S)  # config.mesh.pipeline=-1 is counted only here
     M = cfg.pipeline.microbatches
     V = cfg.pipeline.virtual_stages
     layout = make_layout(cfg.model.num_layers, S, cfg.pipeline.stage_layers, V)
