@@ -97,11 +97,14 @@ def start(cfg) -> tuple[str, object]:
     job as several processes (launch.local --processes, srun -n N, a Kubernetes Indexed
     Job), joins them into one jax.distributed world; (start-up line, settings or None)."""
     from hetjax.hetero import runtime, scheduler
-    platform = backend.resolve(cfg.compile)[0].platform
     world = scheduler.mesh_world(os.environ, cfg)
     if world is None:
         return backend.start(cfg), None
-    line = backend.start_afresh_on_cpu(cfg, platform == "cpu", "the CPU processes of one world")
+    platform, note = backend.resolve(cfg.compile)[0].platform, ""
+    if world.stand_in:  # launch.local --stand_in, HETJAX_STAND_IN: its profile, not the config's
+        platform, note = world.stand_in, f"; {world.stand_in} standing in for {platform}"
+        cfg = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, platform=platform))
+    line = backend.start_afresh_on_cpu(cfg, platform == "cpu", "the CPU processes of one world") + note
     island = scheduler.one_island(cfg, world.num_processes, _local_devices(cfg, platform, world.num_processes),
                                   platform).hetero.islands[0]
     runtime.initialize(world, island, cfg.hetero.timeout_s)  # gloo across processes on CPU

@@ -1,7 +1,8 @@
 """Starts a whole multi-island job on this machine and stops all of it if one process fails.
 
     python -m launch.local --config configs/X.py [--config.KEY=VALUE ...] [--stand_in cpu]
-                           [--backend host|direct] [--module hetjax.hetero.linkcheck] [--pin auto|off]
+                           [--backend host|direct] [--pin auto|off]
+                           [--module hetjax.hetero.linkcheck [--mib 64] [--iters 3]]
     python -m launch.local --config configs/tiny.py --processes 2 [--config.KEY=VALUE ...]
 
 With --processes N, a config without islands runs as one jax.distributed world of N
@@ -409,20 +410,24 @@ def _terminate(procs: list[Process], say) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = cli_lib.parse_command_line(sys.argv[1:] if argv is None else argv, flags=(), doc=__doc__,
                                       options={"stand_in": "", "backend": None, "module": "hetjax.train",
-                                               "pin": "auto", "processes": None})
+                                               "pin": "auto", "processes": None, "mib": None, "iters": None})
     options = args.options
+    # The link check's own options, for each of its processes (as hetjob.sbatch's "$@").
+    check = [f"--{k}={v}" for k, v in {k: options.pop(k) for k in ("mib", "iters")}.items() if v is not None]
     if options["stand_in"] not in ("",) + config_lib.PLATFORMS:
         raise ConfigError(f"--stand_in={options['stand_in']!r}: choose one of {config_lib.PLATFORMS}")
     if options["backend"] not in (None, "host", "direct"):
         raise ConfigError(f"--backend={options['backend']!r}: choose host or direct")
     if options["module"] not in MODULES:
         raise ConfigError(f"--module={options['module']!r}: choose one of {MODULES}")
+    if check and options["module"] != "hetjax.hetero.linkcheck":
+        raise ConfigError(f"{' '.join(check)}: the link check's options; add --module hetjax.hetero.linkcheck")
     if options["processes"] is not None:
         text = options["processes"]
         if not str(text).isdigit() or int(text) < 1:
             raise ConfigError(f"--processes={text!r}: give a number of processes, e.g. --processes 2")
         options["processes"] = int(text)
-    command = [sys.executable, "-m", options.pop("module")]
+    command = [sys.executable, "-m", options.pop("module"), *check]
     return run(args.config, args.overrides, command=command, **options)
 
 

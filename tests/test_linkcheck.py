@@ -35,10 +35,12 @@ def cfg_path(tmp_path):
     return str(path)
 
 
-def test_every_process_checks_its_links_at_the_jobs_addresses(cfg_path):
-    out = io.StringIO()
-    code = local.run(cfg_path, stand_in="cpu", backend="host", command=COMMAND, out=out)
-    text = out.getvalue()
+def test_every_process_checks_its_links_at_the_jobs_addresses(cfg_path, capsys):
+    # launch.local's own command line, the check's --mib and --iters for every process
+    # (it refused them, so a local check always moved 64 MiB three times).
+    code = local.main(["--config", cfg_path, "--stand_in", "cpu", "--backend", "host",
+                       "--module", "hetjax.hetero.linkcheck", "--mib", "1", "--iters", "2"])
+    text = capsys.readouterr().out
     assert code == 0, text
     for tag in ("a:0", "a:1", "b:0"):
         line = next(x for x in text.splitlines() if x.startswith(f"[{tag}] [linkcheck] a<->b (host): "))
@@ -92,6 +94,11 @@ def test_received_data_is_checked_bit_for_bit():
     assert len(np.unique(words)) == 64  # every word differs: a shard sent to the wrong place shows
     words[17] ^= 1 << 9  # one flipped bit
     assert not linkcheck.intact(jax.device_put(words, sharding), mine)
+
+
+def test_the_link_checks_options_without_the_link_check_are_refused():
+    with pytest.raises(ConfigError, match="--mib=1: the link check's options; add --module hetjax.hetero.linkcheck"):
+        local.main(["--config", "configs/tiny_hetero.py", "--mib", "1"])
 
 
 def test_a_config_without_islands_is_refused_before_anything_starts():

@@ -52,10 +52,10 @@ def steps_of(run_dir):
     return {r["step"]: (r["loss"], r["batch"]) for r in rows(run_dir) if r.get("kind") == "step"}
 
 
-def run_world(cfg_path, run_dir, n, **kw):
+def run_world(cfg_path, run_dir, n, overrides=(), **kw):
     """launch.local --processes n; process 0's (loss, batch digest) per step."""
-    code = local.run(cfg_path, {"run_dir": str(run_dir), "hetero.timeout_s": str(TIMEOUT)}, processes=n,
-                     out=io.StringIO(), **kw)
+    code = local.run(cfg_path, {"run_dir": str(run_dir), "hetero.timeout_s": str(TIMEOUT), **dict(overrides)},
+                     processes=n, out=io.StringIO(), **kw)
     assert code == 0, (run_dir / "logs" / "mesh-0.log").read_text()[-3000:]
     return steps_of(run_dir)
 
@@ -100,8 +100,12 @@ def test_4_gloo_processes_give_the_one_process_losses_and_identical_batches(cfg_
 
 
 def test_2_gloo_processes_match_one_and_a_killed_world_stops_then_resumes_bit_identically(cfg_path, one, tmp_path):
-    whole = run_world(cfg_path, tmp_path / "whole", 2)
+    # As CPU stand-ins for a CUDA config (--stand_in cpu): that flag was ignored, and the
+    # processes ran under the cuda profile and its compilation cache.
+    whole = run_world(cfg_path, tmp_path / "whole", 2, {"compile.platform": "cuda"}, stand_in="cpu")
     check_world(one, whole, tmp_path / "whole", 2)
+    log = (tmp_path / "whole" / "logs" / "mesh-0.log").read_text()
+    assert "backend profile cpu" in log and "cpu standing in for cuda" in log, log[:2000]
     run_dir, killed = tmp_path / "run", {}
 
     def saved():  # orbax renames a step's directory to its number once it is complete
