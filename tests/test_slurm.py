@@ -145,7 +145,7 @@ exec {sys.executable} -m hetjax.train {' '.join(common)} --config.run_dir={run_d
 
     def submit():
         return sbatch(env, "-n", "2", f"--output={tmp_path}/%j.out", "--wrap",
-                      f"exec srun --kill-on-bad-exit=1 --label {task}")
+                      f"exec srun --label {task}")
 
     def held(island):  # orbax renames a step's directory to its number once it is complete
         d = run_dir / "checkpoints" / island
