@@ -291,14 +291,15 @@ def as_bits(x: jax.Array) -> jax.Array:
     return x if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, _uint(x.dtype))
 
 
-def device_piece(array: jax.Array, plan: Plan, piece) -> jax.Array:
-    """The piece as a single-device array on its source device (a device-side slice)."""
+def device_piece(array: jax.Array, plan: Plan, piece, row_major: bool = False) -> jax.Array:
+    """The piece as a single-device array on its source device (a device-side slice);
+    with row_major, a whole shard in another memory layout is copied to row-major."""
     data = shard_on(array, piece.src)
     within = plan.src_regions[piece.src]
     if piece.region == within:
-        # Offered as it lies in memory, and read row-major: a shard of another layout
-        # (a program's chosen output Format) goes to row-major first.
-        layout = getattr(data.format, "layout", None)
+        # `direct` offers the bytes as they lie in memory and its receiver reads them
+        # row-major: a shard of another layout (a program's output Format) goes to row-major.
+        layout = getattr(data.format, "layout", None) if row_major else None
         row_major = tuple(range(data.ndim))
         if layout is not None and tuple(layout.major_to_minor) != row_major:
             data = jax.device_put(data, memory_layout.Format(memory_layout.Layout(major_to_minor=row_major),

@@ -95,7 +95,7 @@ class DirectEndpoint(Endpoint):
         by_dst: dict[int, list] = {}
         for i, plan in enumerate(plans):
             for piece in plan.sent_by(self.process):
-                by_dst.setdefault(piece.dst_process, []).append(core.device_piece(leaves[i], plan, piece))
+                by_dst.setdefault(piece.dst_process, []).append(core.device_piece(leaves[i], plan, piece, row_major=True))
         handle = core.Handle(core.finished(), f"send {tag!r}")
         if by_dst:
             desc = self._descriptor(leaves, src_layouts, dst_layouts)
