@@ -291,19 +291,22 @@ def as_bits(x: jax.Array) -> jax.Array:
     return x if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, _uint(x.dtype))
 
 
-def device_piece(array: jax.Array, plan: Plan, piece, row_major: bool = False) -> jax.Array:
+def row_major(array: jax.Array) -> bool:
+    """Whether the array's shards lie in memory row-major (a program may choose another
+    layout for its outputs: a jax.experimental.layout.Format)."""
+    layout = getattr(array.format, "layout", None)
+    return layout is None or tuple(layout.major_to_minor) == tuple(range(array.ndim))
+
+
+def device_piece(array: jax.Array, plan: Plan, piece, to_row_major: bool = False) -> jax.Array:
     """The piece as a single-device array on its source device (a device-side slice);
-    with row_major, a whole shard in another memory layout is copied to row-major."""
+    with to_row_major, a whole shard is copied to row-major (see row_major)."""
     data = shard_on(array, piece.src)
     within = plan.src_regions[piece.src]
     if piece.region == within:
-        # `direct` offers the bytes as they lie in memory and its receiver reads them
-        # row-major: a shard of another layout (a program's output Format) goes to row-major.
-        layout = getattr(data.format, "layout", None) if row_major else None
-        row_major = tuple(range(data.ndim))
-        if layout is not None and tuple(layout.major_to_minor) != row_major:
-            data = jax.device_put(data, memory_layout.Format(memory_layout.Layout(major_to_minor=row_major),
-                                                             data.sharding))
+        if to_row_major:
+            order = memory_layout.Layout(major_to_minor=tuple(range(data.ndim)))
+            data = jax.device_put(data, memory_layout.Format(order, data.sharding))
         return data
     return jax.lax.bitcast_convert_type(as_bits(data)[local_slices(piece.region, within)], data.dtype)
 

@@ -94,8 +94,10 @@ class DirectEndpoint(Endpoint):
         src_layouts = core.layouts([x.sharding for x in leaves])
         by_dst: dict[int, list] = {}
         for i, plan in enumerate(plans):
+            # Pulls read the bytes as they lie, row-major: a shard of another layout is copied first.
+            relayout = not core.row_major(leaves[i])
             for piece in plan.sent_by(self.process):
-                by_dst.setdefault(piece.dst_process, []).append(core.device_piece(leaves[i], plan, piece, row_major=True))
+                by_dst.setdefault(piece.dst_process, []).append(core.device_piece(leaves[i], plan, piece, relayout))
         handle = core.Handle(core.finished(), f"send {tag!r}")
         if by_dst:
             desc = self._descriptor(leaves, src_layouts, dst_layouts)
