@@ -47,9 +47,10 @@ def losses(tmp_path, config, run, *overrides):
     assert code == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # each step's own time: none a few microseconds of dispatch (1e-4 s against medians of
-    # 0.02-0.2 s); under CI's load single steps swing 4x either way (0.034 s against 0.135)
+    # 0.02-0.2 s); under CI's load single steps swing 4x either way (0.034 s against 0.135),
+    # and more beside other jobs (a step under 5% of the median was seen once)
     times = [r["step_time"] for r in rows if "step_time" in r]
-    assert min(times) > 0.05 * np.median(times) and max(r["mfu"] for r in rows if "mfu" in r) < 1, times
+    assert min(times) > 0.01 * np.median(times) and max(r["mfu"] for r in rows if "mfu" in r) < 1, times
     return np.array([r["loss"] for r in rows if "loss" in r]), run_dir
 
 
