@@ -164,3 +164,21 @@ def test_a_refused_message_names_its_link_from_sender_to_receiver():
             lb.wait(r, 0)
     finally:
         la.close(), lb.close()
+
+
+def test_a_send_cut_by_closing_its_own_endpoint_says_so_not_that_the_peer_was_lost():
+    """It said 'lost peer ...: its process died or closed its endpoint' of a live peer
+    (islands then reported that island lost)."""
+    import time
+    one = sharding(jax.devices()[:1], ("a",), ())
+    x = jax.device_put(np.arange(16, dtype=np.float32), one)
+    a, b = endpoints("host", timeout_s=10, busy_timeout_s=30)
+    try:
+        h = a.send(x, "never-posted", one, peers={0: b.addresses})  # b waits for its receive: no ACK
+        time.sleep(0.5)
+        a.close()
+        with pytest.raises(TransferError, match="this endpoint was closed while the message was in flight") as e:
+            h.wait()
+        assert not isinstance(e.value, PeerLost)
+    finally:
+        a.close(), b.close()

@@ -181,11 +181,14 @@ class Stream:
                 self._acknowledged(job)
             except BaseException as e:  # noqa: BLE001 - handed to the message's handle
                 error = e
+                if self.closed and isinstance(e, TransferError):  # close() cut it: not the peer's doing
+                    error = TransferError(f"send {job.tag!r}: this endpoint was closed while the message was in "
+                                          f"flight to peer {self.address}")
+                elif self.sock is not None and isinstance(e, TransferTimeout) and not isinstance(e, PeerLost):
+                    error = TransferTimeout(  # the socket's timeout
+                        f"send {job.tag!r}: peer {self.address} neither read nor acknowledged the message "
+                        f"within {self.endpoint.cfg.busy_timeout_s:g} s (LinkConfig.busy_timeout_s)")
                 if self.sock is not None:
-                    if isinstance(e, TransferTimeout) and not isinstance(e, PeerLost):  # the socket's timeout
-                        error = TransferTimeout(
-                            f"send {job.tag!r}: peer {self.address} neither read nor acknowledged the message "
-                            f"within {self.endpoint.cfg.busy_timeout_s:g} s (LinkConfig.busy_timeout_s)")
                     self.sock.close()
                     self.sock = None  # reconnect for the next job
             with self.lock:
