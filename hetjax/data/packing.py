@@ -54,15 +54,19 @@ class PackedRows:
 
     def epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
         """(document order, end offset of each document in the epoch's stream)."""
-        if e not in self._epochs:
-            if self.shuffle:
-                order = np.random.default_rng([self.seed, self.split, 0xE0C, e]).permutation(len(self.lengths))
-            else:
-                order = np.arange(len(self.lengths))
-            if len(self._epochs) >= 2:  # rows of a step touch at most two epochs
-                self._epochs.pop(min(self._epochs))
-            self._epochs[e] = (order, np.cumsum(self.lengths[order] + self.extra))
-        return self._epochs[e]
+        # Threads share it (islands in one process read their batches each in a thread of
+        # its own): the entry found or made is what is returned, never read back.
+        if (found := self._epochs.get(e)) is not None:
+            return found
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self.split, 0xE0C, e]).permutation(len(self.lengths))
+        else:
+            order = np.arange(len(self.lengths))
+        made = (order, np.cumsum(self.lengths[order] + self.extra))
+        for old in sorted(self._epochs)[:-1]:  # rows of a step touch at most two epochs
+            self._epochs.pop(old, None)  # (None: another thread's eviction came first)
+        self._epochs[e] = made
+        return made
 
     def _pieces(self, start: int, stop: int):
         """(document id, first, last) token ranges (its first token at 0) covering stream [start, stop)."""

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import signal
+from pathlib import Path
 
 import grain
 import jax
@@ -206,6 +207,8 @@ def _specials(src, d):
 def _open_split(cfg, tokenizer, source: str, path: str, what: str):
     """(train, eval, fingerprint); a mixture's sources hold out config.data.eval_fraction."""
     d = cfg.data
+    if d.eval_path and what == "config.data.path":
+        _check_held_out(source, path, d.eval_path)
     train = _open(d, tokenizer, source, path, what)
     if d.eval_path and what == "config.data.path":
         held_out = _open(d, tokenizer, source, d.eval_path, "config.data.eval_path")
@@ -234,6 +237,19 @@ def _build_mixture(cfg) -> Data:
     train, held_out = (mixture.MixedRows(p, weights, d.seed, i) for i, p in enumerate(parts))
     return Data(train, held_out, "mixture: " + ", ".join(described),
                 hashlib.sha256(key.encode()).hexdigest()[:16], None, cfg.batch_size, d.num_workers)
+
+
+def _check_held_out(source: str, path: str, eval_path: str) -> None:
+    """Refuses eval files that the training files include (a glob over a folder that holds both)."""
+    if source == "array_record":
+        train, held = {Path(path).resolve()}, {Path(eval_path).resolve()}
+    else:
+        train = {f.resolve() for f in sources.expand(path)}
+        held = {f.resolve() for f in sources.expand(eval_path, "config.data.eval_path")}
+    if both := sorted(map(str, train & held)):
+        raise ConfigError(f"config.data.eval_path={eval_path!r} and config.data.path={path!r} both hold "
+                          f"{', '.join(both[:3])}{' ...' if len(both) > 3 else ''}: the eval documents would be "
+                          f"trained on; narrow config.data.path so that it leaves them out")
 
 
 def _open(d, tokenizer, source: str, path: str, what: str):

@@ -156,7 +156,7 @@ def _lines(unit: Unit):
     else:
         zstd = cli.need("zstandard", "zstd", f"the zstd file {unit.path}")
         broken += (zstd.ZstdError,)
-        stream = io.BufferedReader(zstd.ZstdDecompressor().stream_reader(open(unit.path, "rb"), closefd=True))
+        stream = io.BufferedReader(_ZstdFrames(unit.path, zstd), 1 << 20)
     lineno = 0
     with stream:
         try:
@@ -167,6 +167,43 @@ def _lines(unit: Unit):
                             f"file is damaged: fetch it again or leave it out of the input") from None
 
 
+class _ZstdFrames(io.RawIOBase):
+    """A zstd file's bytes, every frame decompressed in turn; ZstdError when the file ends
+    inside a frame (zstandard's stream_reader returns what it had, silently)."""
+
+    def __init__(self, path: str, zstd):
+        self._file, self._zstd = open(path, "rb"), zstd
+        self._frame, self._begun = zstd.ZstdDecompressor().decompressobj(), False
+        self._out, self._at = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while self._at == len(self._out):
+            data = self._file.read(1 << 20)
+            if not data:
+                if self._begun and not self._frame.eof:
+                    raise self._zstd.ZstdError("the file ends inside a zstd frame")
+                return 0
+            out = []
+            while data:
+                if self._frame.eof:  # the next frame
+                    self._frame = self._zstd.ZstdDecompressor().decompressobj()
+                self._begun = True
+                out.append(self._frame.decompress(data))
+                data = self._frame.unused_data if self._frame.eof else b""
+            self._out, self._at = b"".join(out), 0
+        n = min(len(buf), len(self._out) - self._at)
+        buf[:n] = self._out[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
 def _columnar(unit: Unit, field: str, skip_bad: bool, skipped: list, batch: int):
     if unit.kind == "parquet":
         pf = _parquet(unit.path)  # its column was checked by units()
@@ -175,7 +212,15 @@ def _columnar(unit: Unit, field: str, skip_bad: bool, skipped: list, batch: int)
     else:
         reader = _arrow(unit.path)
         batches, row = (b.select([field]) for b in reader), 0
-    for b in batches:
+    kind = {"parquet": "Parquet"}.get(unit.kind, "Arrow")
+    while True:
+        try:  # a damaged page or record shows only when read
+            b = next(batches, None)
+        except OSError as e:  # pyarrow's errors are OSErrors
+            raise DataError(f"{unit.path}: corrupt {kind} data after row {row} ({e}); the file is damaged: "
+                            f"fetch it again or leave it out of the input") from None
+        if b is None:
+            break
         values = b.column(0).to_pylist()
         texts = []
         for i, v in enumerate(values):

@@ -40,6 +40,10 @@ def expand(patterns: str, field: str = "config.data.path") -> list[Path]:
         files += [Path(m) for m in matches if Path(m).is_file()]
     if not files:
         raise DataError(f"{field}={patterns!r}: no files; give a path or glob of text/JSONL files")
+    if len(set(map(os.path.realpath, files))) < len(files):
+        twice = sorted({str(f) for f in files if sum(os.path.realpath(g) == os.path.realpath(f) for g in files) > 1})
+        raise DataError(f"{field}={patterns!r}: {', '.join(twice[:3])} matched twice; each file is read once, "
+                        f"so name it once (a mixture weighs sources: config.data.mixture)")
     for f in files:
         if not os.access(f, os.R_OK):
             raise DataError(f"{f}: cannot be read (permission denied)")
@@ -91,9 +95,15 @@ def _parse(body: bytes, fmt: str, field: str) -> str:
     if not isinstance(record, dict) or field not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise ValueError(f"no field {field!r} (config.data.text_field); the record has {keys}")
-    if not isinstance(record[field], str):
-        raise ValueError(f"field {field!r} is a {type(record[field]).__name__}, not a string")
-    return record[field]
+    text = record[field]
+    if not isinstance(text, str):
+        raise ValueError(f"field {field!r} is a {type(text).__name__}, not a string")
+    try:  # JSON's \ud83d escapes decode to lone surrogates, which no tokenizer can encode
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"field {field!r} holds a lone surrogate {text[e.start]!r} at character {e.start} "
+                         f"(half of an escaped UTF-16 pair: not valid Unicode)") from None
+    return text
 
 
 GZIP, ZSTD, PARQUET = b"\x1f\x8b", b"\x28\xb5\x2f\xfd", b"PAR1"
@@ -225,17 +235,31 @@ class ArrayRecordSource:
             meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as e:
             raise DataError(f"{meta_path}:{e.lineno}: not JSON ({e.msg})") from None
+        again = "run python -m hetjax.data.prepare again"
+        if missing := [k for k in ("shards", "bos_id", "vocab_size", "tokenizer", "digest") if k not in meta]:
+            raise DataError(f"{meta_path}: no {', '.join(missing)} (not written by prepare, or damaged); {again}")
         shards = [root / s for s in meta["shards"]]
         for s in shards:
             if not s.is_file():
                 raise DataError(f"{s}: missing shard listed in {meta_path}")
-        self.lengths = np.load(root / "lengths.npy", mmap_mode="r")  # start-up reads no tokens
+        try:
+            self.lengths = np.load(root / "lengths.npy", mmap_mode="r")  # start-up reads no tokens
+        except (OSError, ValueError) as e:
+            raise DataError(f"{root / 'lengths.npy'}: cannot be read ({e}); {again}") from None
         self.bos_id, self.vocab_size = meta["bos_id"], meta["vocab_size"]
         # the tokenizer's BOS/EOS convention, recorded by prepare (older manifests: BOS only)
         self.eos_id, self.add_bos, self.add_eos = meta.get("eos_id"), meta.get("add_bos", True), meta.get("add_eos", False)
         self.tokenizer_fingerprint = meta["tokenizer"]
         self.fingerprint = f"array_record:{meta['digest']}"
-        self._records = grain.sources.ArrayRecordDataSource([str(s) for s in shards])
+        try:
+            self._records = grain.sources.ArrayRecordDataSource([str(s) for s in shards])
+        except RuntimeError as e:  # array_record names no file: find the damaged one
+            for s in shards:
+                try:
+                    grain.sources.ArrayRecordDataSource([str(s)])
+                except RuntimeError as e:
+                    raise DataError(f"{s}: damaged array_record shard ({str(e)[:300]}); {again}") from None
+            raise DataError(f"{root}: its array_record shards cannot be read ({str(e)[:300]}); {again}") from None
         if len(self._records) != len(self.lengths):
             raise DataError(f"{root}: {len(self._records)} records but lengths.npy lists "
                             f"{len(self.lengths)}; run prepare again")
