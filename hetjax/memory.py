@@ -9,6 +9,7 @@ import os
 import jax
 import numpy as np
 
+from hetjax import sharding
 from hetjax.config import Config
 from hetjax.errors import ConfigError
 from hetjax.errors import DoesNotFit  # noqa: F401 - raised here, caught by callers
@@ -80,8 +81,14 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
     # Per layer slot of the stacked layers: a pipeline's stack has padding slots
     # (uneven config.pipeline.stage_layers), more than config.model.num_layers.
     layer_params = sum(l.bytes_per_device / l.shape[0] for l in layouts if l.logical[0] == "layers")
-    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    tensor = mesh.shape["tensor"]
+    # The activations split as config.sharding.rules split their axes (not as the default
+    # rules would: a rule edited for an experiment changes what each device holds).
+    table = dict(cfg.sharding.rules)
+
+    def split(logical: str) -> int:
+        return math.prod(mesh.shape[a] for a in sharding.mesh_axes(table.get(logical)))
+    batch_shards = split("batch") * split("length")  # rows x positions of a device's tokens
+    tensor = split("heads")
     per_token_layer = _activation_bytes_per_layer_token(cfg, tensor, cfg.model.remat)
     m = cfg.model
     # One layer's full working set is live while the backward pass recomputes or

@@ -99,6 +99,9 @@ def check_splits(cfg, mesh) -> Plan | None:
     r = rules(cfg, plan)
     sharding.check_divisible(dims(cfg, plan), r, mesh)
     sharding.check_batch_divisible(cfg.batch_size, cfg.seq_len, r, mesh)  # the inputs' shardings
+    if cfg.optim.grad_accum_steps > 1:  # each accumulated micro-batch is split like the batch
+        sharding.check_microbatch_rows(cfg.batch_size, cfg.optim.grad_accum_steps, r, mesh.shape,
+                                       field="config.optim.grad_accum_steps")
     return plan
 
 

@@ -236,25 +236,28 @@ def check_divisible(dims: dict[str, tuple[str, int]], rules, mesh: Mesh) -> None
                 f"to other mesh axes")
 
 
-def check_microbatch_rows(batch_size: int, microbatches: int, rules, sizes, where: str = "") -> None:
-    """A pipeline's micro-batch (batch_size / microbatches rows) must split over the mesh
-    axes that `batch` maps to (`sizes`: mesh axis -> size, of `where`'s mesh): a
-    ConfigError naming the rows, the axes and the fix, before anything compiles."""
+def check_microbatch_rows(batch_size: int, microbatches: int, rules, sizes, where: str = "",
+                          field: str = "config.pipeline.microbatches") -> None:
+    """A micro-batch (batch_size / microbatches rows: a pipeline's, or gradient
+    accumulation's with `field`) must split over the mesh axes that `batch` maps to
+    (`sizes`: mesh axis -> size, of `where`'s mesh), or every device would compute rows
+    of it that others compute too: a ConfigError naming the rows, the axes and the fix,
+    before anything compiles."""
     axes = mesh_axes(dict(rules).get("batch"))
     unit, rows = math.prod(sizes[a] for a in axes), batch_size // microbatches
     if rows % unit:
         over = " x ".join(axes)
         raise ConfigError(
-            f"a micro-batch of config.batch_size/config.pipeline.microbatches = {batch_size}/{microbatches} = "
+            f"a micro-batch of config.batch_size/{field} = {batch_size}/{microbatches} = "
             f"{rows} rows does not split over {where}{over} = {unit} devices (config.sharding.rules maps "
-            f"'batch' to {axes}); raise config.batch_size or lower config.pipeline.microbatches")
+            f"'batch' to {axes}); raise config.batch_size or lower {field}")
 
 
 def check_batch_divisible(batch_size: int, seq_len: int, rules, mesh: Mesh) -> None:
     """The global batch must split evenly over the mesh axes that `batch` maps to, and
     seq_len over those of `length` (the step's input shardings need it): a ConfigError
     naming the sizes, the axes and the nearest valid values, not a JAX IndivisibleError
-    once compiling has started. (Micro-batches inside the step may split unevenly.)"""
+    once compiling has started. (Micro-batches: check_microbatch_rows.)"""
     table = dict(rules)
     for logical, field, size in (("batch", "batch_size", batch_size), ("length", "seq_len", seq_len)):
         target = table.get(logical)

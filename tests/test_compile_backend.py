@@ -174,3 +174,14 @@ def test_cudnn_attention_is_refused_where_jax_has_no_cuda_device_whatever_the_pr
                 backend.check_started_attention(model, "cuda")
         else:
             backend.check_started_attention(model, "cuda")
+
+
+def test_cudnn_attention_refuses_heads_it_cannot_take_before_anything_compiles():
+    """head_dim=12 passed the checks and ended on the GPU in jax's NotImplementedError, from
+    inside tracing (seen on an H200: cuDNN takes multiples of 8 up to 256)."""
+    model = Config().model.__class__
+    for head_dim in (12, 264):
+        with pytest.raises(ConfigError, match=f"config.model.head_dim={head_dim}; use attention_impl='xla'"):
+            backend.check_attention(model(attention_impl="cudnn", dtype="bfloat16", head_dim=head_dim), "cuda")
+    for head_dim in (16, 64, 256):
+        backend.check_attention(model(attention_impl="cudnn", dtype="bfloat16", head_dim=head_dim), "cuda")

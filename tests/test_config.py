@@ -115,6 +115,10 @@ def no_compile(monkeypatch):
     (["--config.batch_size=12", "--config.mesh.data=2", "--config.mesh.fsdp=4"],
      r"config.batch_size=12 does not split evenly over config.mesh.data=2 x config.mesh.fsdp=4 .*"
      r"multiple of 8; nearest valid values: 8 or 16"),
+    # Rows of a micro-batch that the devices cannot share: every device computed rows others did too.
+    (["--config.batch_size=16", "--config.optim.grad_accum_steps=4"],
+     r"a micro-batch of config.batch_size/config.optim.grad_accum_steps = 16/4 = 4 rows does not split over "
+     r"data x fsdp = 8 devices"),
     (["--config.optim.learning_rate=-1e-3"], r"config.optim.learning_rate=-0.001: must not be negative"),
     (["--config.optim.learning_rate=inf"], r"config.optim.learning_rate='inf': not finite"),
     (["--config.optim.min_lr_ratio=5"], r"config.optim.min_lr_ratio=5.0: .* must lie in \[0, 1\]"),

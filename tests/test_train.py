@@ -57,8 +57,8 @@ def test_the_step_is_traced_once():
 
 def test_gradient_accumulation_changes_memory_not_the_result():
     results = []
-    for accum in (1, 4):
-        cfg = dataclasses.replace(CFG, optim=dataclasses.replace(CFG.optim, grad_accum_steps=accum))
+    for accum in (1, 4):  # micro-batches of 8 rows, one a device (program.check_splits)
+        cfg = dataclasses.replace(CFG, batch_size=32, optim=dataclasses.replace(CFG.optim, grad_accum_steps=accum))
         fn, shardings, batch_sh, mesh, state, batches = make_step(cfg)
         jitted = program.jit_train_step(fn, shardings, batch_sh, mesh)
         metrics = []
@@ -76,7 +76,7 @@ def test_gradient_accumulation_changes_memory_not_the_result():
 def test_the_eval_step_takes_the_batch_in_the_train_steps_micro_batches():
     """Accumulation is there to fit memory, and the eval step used to hold the whole
     batch's logits anyway: an eval that the train step's check passed could run out."""
-    cfg = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, vocab_size=4096), batch_size=16, seq_len=32)
+    cfg = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, vocab_size=4096), batch_size=32, seq_len=16)
     sums, temp = [], []
     for accum in (1, 4):
         c = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_accum_steps=accum))

@@ -231,6 +231,9 @@ def check_attention(model, platform: str) -> None:
         raise ConfigError(f"config.model.attention_impl='cudnn' computes in bfloat16 or float16, and "
                           f"config.model.dtype={model.dtype!r}; set --config.model.dtype=bfloat16, or use "
                           f"attention_impl='xla'")
+    if model.head_dim % 8 or model.head_dim > 256:  # jax's own check comes inside tracing
+        raise ConfigError(f"config.model.attention_impl='cudnn' takes heads of a multiple of 8 up to 256 "
+                          f"dimensions, and config.model.head_dim={model.head_dim}; use attention_impl='xla'")
 
 
 # Islands on CPU, and the processes of a one-mesh world on CPU, compile every program
