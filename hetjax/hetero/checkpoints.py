@@ -1,7 +1,7 @@
 """An islands job's checkpoints: one orbax manager per island, and the steps that
-count (those every island holds); and, for pipeline placement, the islands' parts
-(parameters and optimizer state) put back together in the model's layout on the
-host (model_state), which save_state writes as a one-mesh checkpoint that a one-mesh
+count (those every island holds); and the model's train state on the host
+(model_state: pipeline placement's parts, parameters and optimizer state, put back
+together in the model's layout, or data placement's first island's copy), which save_state writes as a one-mesh checkpoint that a one-mesh
 run resumes from and any layout reads (config.init_from): islands hold their layers
 in their own order (interleaved chunks, hetjax.hetero.island.chunks_of), so their
 checkpoints are not read as the model's directly, nor with another layer placement
@@ -260,17 +260,22 @@ def _param_name(path) -> str | None:
 
 
 def model_state(cfg, directory, step: int | None = None, log=print):
-    """(step, the model-layout train state as host numpy arrays, the data state) of a
-    pipeline-placement islands job's checkpoint `step` (default: the newest every island
-    holds) in `directory` (its run_dir/checkpoints), read verified onto the CPU."""
+    """(step, the model-layout train state as host numpy arrays, the data state) of an
+    islands job's checkpoint `step` (default: the newest every island holds) in `directory`
+    (its run_dir/checkpoints), read verified onto the CPU: pipeline placement's parts put
+    back together, or data placement's first island (each holds the whole model)."""
     h, n, tied = cfg.hetero, len(cfg.hetero.islands), cfg.model.tie_embeddings
-    if h.placement != "pipeline" or h.auto_split:
-        raise ConfigError(
-            f"config.hetero.placement={h.placement!r}, auto_split={h.auto_split}: only pipeline placement with a "
-            f"configured split is put back together (a data-placement island's checkpoint is the model's already)")
+    if h.placement == "pipeline" and h.auto_split:
+        raise ConfigError("config.hetero.auto_split=True: the islands' layer split is measured when the job "
+                          "starts, so this config cannot say which island holds which layers; give the job's "
+                          "split as config.hetero.island_layers")
+    if h.placement == "data" and any(spec.mesh.pipeline != 1 for spec in h.islands[:1]):
+        raise ConfigError(f"config.hetero.islands[0].mesh.pipeline={h.islands[0].mesh.pipeline}: the first island "
+                          f"keeps its layers in its own pipeline's order, which is not put back together here; "
+                          f"start a one-mesh run from its parameters with config.init_from instead")
     _, whole = state_lib.abstract_state(cfg.model, cfg.seed, optim.make_optimizer(cfg.optim, cfg.steps))
     itx = optim.make_optimizer(island_lib.island_config(cfg, 0).optim, cfg.steps)
-    chunks = island_lib.held_layers(cfg, island_layers(cfg))
+    chunks = island_lib.held_layers(cfg, island_layers(cfg)) if h.placement == "pipeline" else None
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])  # a whole model fits no one device
     managers = [checkpoint.Manager(Path(directory) / spec.name, read_only=True) for spec in h.islands]
     try:
@@ -279,6 +284,15 @@ def model_state(cfg, directory, step: int | None = None, log=print):
             raise checkpoint.CheckpointError(f"{directory}: no checkpoint step {step if step is not None else ''} "
                                              f"that every island holds (they hold {common})")
         step = common[-1] if step is None else step
+        if chunks is None:  # data placement: the islands agree bit for bit (check_identical)
+            manager = managers[0]
+            check_placement(cfg, manager.read_json(step, "config").get("config"), manager.where(step))
+            items = {"params": whole.params, "opt_state": jax.eval_shape(itx.init, whole.params)}
+            small, arrays = manager.read(step, {i: (a, jax.tree.map(lambda _: cpu, a)) for i, a in items.items()},
+                                         json_items=("data",))
+            log(f"read island {h.islands[0].name}'s copy of the model from {manager.where(step)}")
+            joined, data_state = {i: jax.tree.map(np.asarray, arrays[i]) for i in items}, small.get("data")
+            return step, _one_mesh(joined, whole, step), data_state
         parts = []
         for k, manager in enumerate(managers):
             check_placement(cfg, manager.read_json(step, "config").get("config"), manager.where(step))
@@ -307,13 +321,17 @@ def model_state(cfg, directory, step: int | None = None, log=print):
         return held[0] if name is None else held[island_lib.holders(name, n, tied)[0]]
     joined = permute_layers(jax.tree_util.tree_map_with_path(join, *parts),  # back to the model's order
                             np.argsort(np.concatenate([island_lib.layer_index(c) for c in chunks])))
-    # The islands' optimizer leaves no gradient clipping to adam (hetero.update): the same
-    # leaves, in the one-mesh optimizer's structure.
+    return step, _one_mesh(joined, whole, step), data_state
+
+
+def _one_mesh(joined: dict, whole, step: int):
+    """The one-mesh TrainState of model-layout params and an island's optimizer state. The
+    islands' optimizer leaves gradient clipping to hetero.update, not to adam: the same
+    leaves, in the one-mesh optimizer's structure."""
     leaves, like = jax.tree.leaves(joined["opt_state"]), jax.tree.leaves(whole.opt_state)
     assert [x.shape for x in leaves] == [x.shape for x in like], "optimizer states differ beyond clipping"
     opt_state = jax.tree.unflatten(jax.tree.structure(whole.opt_state), leaves)
-    state = state_lib.TrainState(step=np.asarray(step, np.int32), params=joined["params"], opt_state=opt_state)
-    return step, state, data_state
+    return state_lib.TrainState(step=np.asarray(step, np.int32), params=joined["params"], opt_state=opt_state)
 
 
 def model_params(cfg, directory, step: int | None = None, log=print):
@@ -348,7 +366,7 @@ def save_state(cfg, state, data_state, directory, step: int) -> None:
 def main(argv=None) -> int:
     """`python -m hetjax.hetero.checkpoints --config CONFIG --checkpoints=RUN_DIR/checkpoints
     --out=DIR [--step=N]`: an islands job's checkpoint (pipeline placement, interleaved or
-    not) as a one-mesh checkpoint in DIR, optimizer state included: `--config.init_from=DIR/N`
+    not, or data placement) as a one-mesh checkpoint in DIR, optimizer state included: `--config.init_from=DIR/N`
     reads it into any layout, and a one-mesh run with `--config.checkpoint.dir=DIR` resumes it.
     The config must place the layers as the one that wrote it (check_placement).
 
