@@ -110,6 +110,12 @@ def check_optimizer(saved_tree, abstract, where: str, saved_config: dict | None 
     if saved == wanted:
         return
     first = sorted(set(saved) ^ set(wanted)) or sorted(k for k in saved if saved[k] != wanted[k])
+    if saved_config and (saved_config.get("hetero") or {}).get("islands"):  # an island's: clipping is the job's
+        raise ConfigError(
+            f"{where} was written by an island of an islands job, whose optimizer state leaves gradient clipping "
+            f"to the job: to resume it on one mesh, export it first (python -m hetjax.hetero.checkpoints "
+            f"--config THE_ISLANDS_CONFIG --checkpoints=RUN_DIR/checkpoints --out=DIR, then "
+            f"--config.checkpoint.dir=DIR)")
     was = f" It was written with config.optim {saved_config['optim']}." if saved_config and "optim" in saved_config else ""
     raise ConfigError(
         f"{where}: its optimizer state ({len(saved)} arrays) is not the one this config's optimizer makes "

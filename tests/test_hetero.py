@@ -133,6 +133,9 @@ def test_data_islands_train_like_one_island_with_identical_parameters(tmp_path, 
         resumed, _ = losses(tmp_path, "tiny.py", "resumed", "--config.mesh.data=8", "--config.mesh.fsdp=1",
                             f"--config.checkpoint.dir={tmp_path}/model", f"--config.steps={STEPS + 1}")
         assert resumed.shape == (1,) and resumed[0] < islands[0]  # step STEPS, after the islands' ten
+        with pytest.raises(ConfigError, match="written by an island of an islands job.*export it first"):
+            train.main(["--config", "tiny.py", "--config.mesh.data=8", "--config.mesh.fsdp=1",
+                        f"--config.run_dir={tmp_path}/direct", f"--config.checkpoint.dir={run_dir}/checkpoints/cuda"])
 
 
 def test_islands_whose_parameters_differ_are_stopped_at_the_next_check(tmp_path):
