@@ -257,8 +257,8 @@ class ArrayRecordSource:
             for s in shards:
                 try:
                     grain.sources.ArrayRecordDataSource([str(s)])
-                except RuntimeError as e:
-                    raise DataError(f"{s}: damaged array_record shard ({str(e)[:300]}); {again}") from None
+                except RuntimeError as bad:
+                    raise DataError(f"{s}: damaged array_record shard ({str(bad)[:300]}); {again}") from None
             raise DataError(f"{root}: its array_record shards cannot be read ({str(e)[:300]}); {again}") from None
         if len(self._records) != len(self.lengths):
             raise DataError(f"{root}: {len(self._records)} records but lengths.npy lists "

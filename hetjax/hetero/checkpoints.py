@@ -1,8 +1,9 @@
 """An islands job's checkpoints: one orbax manager per island, and the steps that
 count (those every island holds); and the model's train state on the host
 (model_state: pipeline placement's parts, parameters and optimizer state, put back
-together in the model's layout, or data placement's first island's copy), which save_state writes as a one-mesh checkpoint that a one-mesh
-run resumes from and any layout reads (config.init_from): islands hold their layers
+together in the model's layout, or data placement's first island's copy), which
+save_state writes as a one-mesh checkpoint that a one-mesh run resumes from and any
+layout reads (config.init_from): islands hold their layers
 in their own order (interleaved chunks, hetjax.hetero.island.chunks_of), so their
 checkpoints are not read as the model's directly, nor with another layer placement
 (check_placement).
@@ -269,7 +270,7 @@ def model_state(cfg, directory, step: int | None = None, log=print):
         raise ConfigError("config.hetero.auto_split=True: the islands' layer split is measured when the job "
                           "starts, so this config cannot say which island holds which layers; give the job's "
                           "split as config.hetero.island_layers")
-    if h.placement == "data" and any(spec.mesh.pipeline != 1 for spec in h.islands[:1]):
+    if h.placement == "data" and h.islands[0].mesh.pipeline != 1:
         raise ConfigError(f"config.hetero.islands[0].mesh.pipeline={h.islands[0].mesh.pipeline}: the first island "
                           f"keeps its layers in its own pipeline's order, which is not put back together here; "
                           f"start a one-mesh run from its parameters with config.init_from instead")

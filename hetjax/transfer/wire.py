@@ -1,10 +1,11 @@
 """The `host` backend's wire format: frames, the secret handshake, chunk checksums.
 
 A frame is `FRAME` (magic, kind, length of the JSON header that follows) and that JSON
-header; a chunk's payload follows its header unframed, and its checksum (`TRAILER`) follows
-the payload, so that both sides sum each slice of it while the slice is in cache. Every connection starts with an
-HMAC challenge-response in both directions under the job's shared secret. The probe's
-control channel (probe.py) speaks the same frames with a kind of its own.
+header; a chunk's payload follows its header unframed, and its checksum (`TRAILER`)
+follows the payload, so that both sides sum each slice of it while the slice is in
+cache. Every connection starts with an HMAC challenge-response in both directions under
+the job's shared secret. The probe's control channel (probe.py) speaks the same frames
+with a kind of its own.
 """
 
 from __future__ import annotations
