@@ -102,6 +102,17 @@ def saved_dtypes(abstract, saved_tree):
         lambda p, x: jax.ShapeDtypeStruct(x.shape, saved.get(path_name(p), x.dtype), sharding=x.sharding), abstract)
 
 
+def export_command(checkpoints="RUN_DIR/checkpoints") -> str:
+    """The command that puts an islands job's checkpoints together as a one-mesh one."""
+    return f"python -m hetjax.hetero.checkpoints --config ISLANDS_CONFIG --checkpoints={checkpoints} --out=DIR"
+
+
+def by_islands(saved_config: dict | None) -> dict | None:
+    """The hetero settings of the islands job that wrote a checkpoint, or None for a one-mesh job's."""
+    h = (saved_config or {}).get("hetero") or {}
+    return h if h.get("islands") else None
+
+
 def check_optimizer(saved_tree, abstract, where: str, saved_config: dict | None = None) -> None:
     """Raises ConfigError when the saved optimizer state has other parts than this config's
     optimizer makes (config.optim changed, e.g. clipping turned on or off): orbax would
@@ -110,11 +121,10 @@ def check_optimizer(saved_tree, abstract, where: str, saved_config: dict | None 
     if saved == wanted:
         return
     first = sorted(set(saved) ^ set(wanted)) or sorted(k for k in saved if saved[k] != wanted[k])
-    if saved_config and (saved_config.get("hetero") or {}).get("islands"):  # an island's: clipping is the job's
+    if by_islands(saved_config):  # an island's: clipping is the job's
         raise ConfigError(
             f"{where} was written by an island of an islands job, whose optimizer state leaves gradient clipping "
-            f"to the job: to resume it on one mesh, export it first (python -m hetjax.hetero.checkpoints "
-            f"--config THE_ISLANDS_CONFIG --checkpoints=RUN_DIR/checkpoints --out=DIR, then "
+            f"to the job: to resume it on one mesh, export it first ({export_command()}, then "
             f"--config.checkpoint.dir=DIR)")
     was = f" It was written with config.optim {saved_config['optim']}." if saved_config and "optim" in saved_config else ""
     raise ConfigError(
@@ -139,12 +149,10 @@ def verify(expected: dict[str, str], tree, where: str) -> None:
 def check_whole_model(saved_config: dict | None, where: str) -> None:
     """Refuses one island's part of an islands job's pipeline (its layers only) where a
     whole model is read (init_from, export)."""
-    h = (saved_config or {}).get("hetero") or {}
-    if h.get("islands") and h.get("placement", "pipeline") == "pipeline":
+    if (h := by_islands(saved_config)) and h.get("placement", "pipeline") == "pipeline":
         raise ConfigError(
             f"{where} is one island's part of an islands job (its share of the layers): put the islands' "
-            f"checkpoints together first, with python -m hetjax.hetero.checkpoints --config ISLANDS_CONFIG "
-            f"--checkpoints=RUN_DIR/checkpoints --out=DIR, and give DIR")
+            f"checkpoints together first, with {export_command()}, and give DIR")
 
 
 def check_not_past(cfg, step: int, directory) -> None:
@@ -170,8 +178,7 @@ def check_layout_kind(cfg) -> None:
         raise ConfigError(
             f"{d} holds an islands job's checkpoints ({', '.join(folders)}), and this config has no "
             f"islands: it would start from step 0 and rewrite the run's metrics. To go on as one mesh, put "
-            f"them together first (python -m hetjax.hetero.checkpoints --config ISLANDS_CONFIG "
-            f"--checkpoints={d} --out=DIR), then train with --config.checkpoint.dir=DIR; or give a new "
+            f"them together first ({export_command(d)}), then train with --config.checkpoint.dir=DIR; or give a new "
             f"config.run_dir")
     if ours and steps:
         raise ConfigError(

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from hetjax import checkpoint
 from hetjax.checkpoint_config import island_folders
-from hetjax.checkpoint_fit import check_split, check_whole_model, model_differences
+from hetjax.checkpoint_fit import check_split, check_whole_model, export_command, model_differences
 from hetjax.errors import CheckpointError, ConfigError, CorruptCheckpoint
 from hetjax.state import TrainState
 
@@ -28,8 +28,7 @@ def find_checkpoint_dir(path: str | Path) -> tuple[Path, int | None]:
             if not any(p.name.isdigit() for p in path.iterdir()):
                 raise ConfigError(
                     f"{path} holds an islands job's checkpoints, one folder per island ({', '.join(islands)}): "
-                    f"put them together first, with python -m hetjax.hetero.checkpoints --config ISLANDS_CONFIG "
-                    f"--checkpoints={path} --out=DIR, and give DIR")
+                    f"put them together first, with {export_command(path)}, and give DIR")
         return path, None
     if (path / "params").is_dir() and path.name.isdigit():
         return path.parent, int(path.name)

@@ -40,8 +40,9 @@ def expand(patterns: str, field: str = "config.data.path") -> list[Path]:
         files += [Path(m) for m in matches if Path(m).is_file()]
     if not files:
         raise DataError(f"{field}={patterns!r}: no files; give a path or glob of text/JSONL files")
-    if len(set(map(os.path.realpath, files))) < len(files):
-        twice = sorted({str(f) for f in files if sum(os.path.realpath(g) == os.path.realpath(f) for g in files) > 1})
+    real = [os.path.realpath(f) for f in files]
+    if len(set(real)) < len(real):
+        twice = sorted({str(f) for f, r in zip(files, real) if real.count(r) > 1})
         raise DataError(f"{field}={patterns!r}: {', '.join(twice[:3])} matched twice; each file is read once, "
                         f"so name it once (a mixture weighs sources: config.data.mixture)")
     for f in files:

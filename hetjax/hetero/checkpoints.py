@@ -3,10 +3,9 @@ count (those every island holds); and the model's train state on the host
 (model_state: pipeline placement's parts, parameters and optimizer state, put back
 together in the model's layout, or data placement's first island's copy), which
 save_state writes as a one-mesh checkpoint that a one-mesh run resumes from and any
-layout reads (config.init_from): islands hold their layers
-in their own order (interleaved chunks, hetjax.hetero.island.chunks_of), so their
-checkpoints are not read as the model's directly, nor with another layer placement
-(check_placement).
+layout reads (config.init_from): islands hold their layers in their own order
+(interleaved chunks, hetjax.hetero.island.chunks_of), so their checkpoints are not read
+as the model's directly, nor with another layer placement (check_placement).
 """
 
 from __future__ import annotations
@@ -211,11 +210,11 @@ def check_placement(cfg, saved: dict | None, where: str) -> None:
 def check_saved_placement(cfg, names, held: dict | None = None, data_fingerprint: str | None = None) -> None:
     """check_placement for every readable checkpoint of the islands `names` in the job's
     checkpoint directory; that the newest is not past config.steps and (given
-    `data_fingerprint`) saved the iterator of the same data; and (pipeline placement) that island name holds as many layers
-    there as `held[name]` says it will now: the split follows the speeds (or auto_split's
-    measurement, taken anew at each start), and a step saved under another split would
-    otherwise fail only once every island had compiled, blaming config.model. Run before
-    the islands are built. (Unreadable ones are left to restore_latest, which sets them aside.)"""
+    `data_fingerprint`) saved the iterator of the same data; and (pipeline placement) that
+    island name holds as many layers there as `held[name]` says it will now: the split
+    follows the speeds (or auto_split's measurement, taken anew at each start), and a step
+    saved under another split would otherwise fail only once every island had compiled,
+    blaming config.model. Run before the islands are built. (Unreadable ones are left to restore_latest, which sets them aside.)"""
     saved_layers = {}
     for name in names:
         directory = checkpoint.default_dir(cfg) / name
@@ -277,7 +276,6 @@ def model_state(cfg, directory, step: int | None = None, log=print):
     _, whole = state_lib.abstract_state(cfg.model, cfg.seed, optim.make_optimizer(cfg.optim, cfg.steps))
     itx = optim.make_optimizer(island_lib.island_config(cfg, 0).optim, cfg.steps)
     chunks = island_lib.held_layers(cfg, island_layers(cfg)) if h.placement == "pipeline" else None
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])  # a whole model fits no one device
     managers = [checkpoint.Manager(Path(directory) / spec.name, read_only=True) for spec in h.islands]
     try:
         common = sorted(set.intersection(*(set(m.steps()) for m in managers)))
@@ -288,11 +286,8 @@ def model_state(cfg, directory, step: int | None = None, log=print):
         if chunks is None:  # data placement: the islands agree bit for bit (check_identical)
             manager = managers[0]
             check_placement(cfg, manager.read_json(step, "config").get("config"), manager.where(step))
-            items = {"params": whole.params, "opt_state": jax.eval_shape(itx.init, whole.params)}
-            small, arrays = manager.read(step, {i: (a, jax.tree.map(lambda _: cpu, a)) for i, a in items.items()},
-                                         json_items=("data",))
+            joined, data_state = _read_on_cpu(manager, step, whole.params, itx)
             log(f"read island {h.islands[0].name}'s copy of the model from {manager.where(step)}")
-            joined, data_state = {i: jax.tree.map(np.asarray, arrays[i]) for i in items}, small.get("data")
             return step, _one_mesh(joined, whole, step), data_state
         parts = []
         for k, manager in enumerate(managers):
@@ -303,12 +298,10 @@ def model_state(cfg, directory, step: int | None = None, log=print):
                     f"places {here} there; give the config that wrote it (its speeds, or its "
                     f"--config.hetero.island_layers)")
             params = jax.eval_shape(lambda p, k=k: island_lib.part(p, k, n, chunks[k], tied), whole.params)
-            items = {"params": params, "opt_state": jax.eval_shape(itx.init, params)}
-            small, arrays = manager.read(step, {i: (a, jax.tree.map(lambda _: cpu, a)) for i, a in items.items()},
-                                         json_items=("data",))
-            parts.append({i: jax.tree.map(np.asarray, arrays[i]) for i in items})
+            part, saved_data = _read_on_cpu(manager, step, params, itx)
+            parts.append(part)
             if k == 0:  # every island saves the same data state
-                data_state = small.get("data")
+                data_state = saved_data
             log(f"read island {h.islands[k].name}'s part of {manager.where(step)}")
     finally:
         for manager in managers:
@@ -323,6 +316,16 @@ def model_state(cfg, directory, step: int | None = None, log=print):
     joined = permute_layers(jax.tree_util.tree_map_with_path(join, *parts),  # back to the model's order
                             np.argsort(np.concatenate([island_lib.layer_index(c) for c in chunks])))
     return step, _one_mesh(joined, whole, step), data_state
+
+
+def _read_on_cpu(manager, step: int, params, itx) -> tuple[dict, dict | None]:
+    """({"params", "opt_state"} of an island's checkpoint `step` as host numpy arrays, its
+    data state); `params` is the abstract tree the island holds, `itx` its optimizer."""
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])  # a whole model fits no one device
+    items = {"params": params, "opt_state": jax.eval_shape(itx.init, params)}
+    small, arrays = manager.read(step, {i: (a, jax.tree.map(lambda _: cpu, a)) for i, a in items.items()},
+                                 json_items=("data",))
+    return {i: jax.tree.map(np.asarray, arrays[i]) for i in items}, small.get("data")
 
 
 def _one_mesh(joined: dict, whole, step: int):
@@ -367,8 +370,9 @@ def save_state(cfg, state, data_state, directory, step: int) -> None:
 def main(argv=None) -> int:
     """`python -m hetjax.hetero.checkpoints --config CONFIG --checkpoints=RUN_DIR/checkpoints
     --out=DIR [--step=N]`: an islands job's checkpoint (pipeline placement, interleaved or
-    not, or data placement) as a one-mesh checkpoint in DIR, optimizer state included: `--config.init_from=DIR/N`
-    reads it into any layout, and a one-mesh run with `--config.checkpoint.dir=DIR` resumes it.
+    not, or data placement) as a one-mesh checkpoint in DIR, optimizer state included:
+    `--config.init_from=DIR/N` reads it into any layout, and a one-mesh run with
+    `--config.checkpoint.dir=DIR` resumes it.
     The config must place the layers as the one that wrote it (check_placement).
 
     example:

@@ -28,8 +28,8 @@ class PipelineConfig:
     scan_layers: bool = False
     # Islands (pipeline placement): False keeps each forward's residuals on its island
     # until its backward, which then need not run the forward again (measured faster:
-    # docs/measurements.md, "The first island's second forward, removed"); True recomputes from the
-    # stashed stage input, holding only that input per micro-batch in flight. The
+    # docs/measurements.md, "The first island's second forward, removed"); True recomputes
+    # from the stashed stage input, holding only that input per micro-batch in flight. The
     # one-program pipeline always recomputes: keeping residuals in its tick loop's carry
     # measured 1.4-1.7x slower (docs/DESIGN.md). The losses are the same.
     recompute: bool = False

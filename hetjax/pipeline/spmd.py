@@ -69,8 +69,8 @@ class Plan:
         layers = (f"of {layout.stage_layers} layers" if layout.virtual == 1 else
                   f"x {layout.virtual} interleaved chunks of {layout.stage_layers[0]} layers")
         return (f"pipeline: {self.schedule.name}, {self.stages} stages {layers}, {self.microbatches} "
-                f"micro-batches, {self.schedule.ticks} ticks; predicted bubble {self.schedule.bubble_fraction():.1%}; "
-                f"at most {self.slots} stashed stage inputs per stage")
+                f"micro-batches, {self.schedule.ticks} ticks; predicted bubble "
+                f"{self.schedule.bubble_fraction():.1%}; at most {self.slots} stashed stage inputs per stage")
 
 
 def make_plan(cfg, mesh: Mesh) -> Plan | None:

@@ -6,7 +6,8 @@ proves the job's shared secret by HMAC challenge-response (both ways), then push
 a JSON header (tag, leaf, piece, shape, dtype, region, offset, length), the payload and
 its checksum (a message of at most 64 KiB: one frame, all headers and checksums, then all
 payloads). The receiver checks each header against its own plan before reading the
-payload into place, sums it slice by slice as it lands, checks the sum, and moves a block to the device as soon as its pieces are in.
+payload into place, sums it slice by slice as it lands, checks the sum, and moves a
+block to the device as soon as its pieces are in.
 This module is the endpoint and its receiving side; a posted receive is inbox.py, the
 frames, the handshake and the pings are in wire.py, the sending streams in stream.py.
 """
@@ -321,10 +322,10 @@ class HostEndpoint(Endpoint):
             raise inbox.cut(e, *places[0][:2]) from None
         at = 0
         for meta, (i, j, offset, n, view) in zip(metas, places):
-            inbox.verify(peer, meta, n, wire.chunk_sum(self.checksum, meta["leaves"], i, j, offset, payloads[at:at + n]),
-                         meta["sum"])
+            payload = payloads[at:at + n]
+            inbox.verify(peer, meta, n, wire.chunk_sum(self.checksum, meta["leaves"], i, j, offset, payload), meta["sum"])
             inbox.claim(i, j, offset, n, peer)
-            view[:] = payloads[at:at + n]
+            view[:] = payload
             at += n
         inbox.activity.touch()
         with self._gate:
