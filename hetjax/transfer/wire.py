@@ -82,12 +82,14 @@ class Sum:
 
 
 def send_summed(sock, payload: memoryview, total: Sum, peer: str) -> None:
-    """Writes a chunk's payload slice by slice, each summed into `total` just before it
-    goes, and the checksum with the last slice (a chunk the receiver began ends with it)."""
+    """Writes a chunk's payload slice by slice, each summed into `total` just after it
+    went, then the checksum (a chunk the receiver began ends with it). After: the kernel's
+    copy has just read the slice from memory, so the sum reads it from cache."""
     for at in range(0, len(payload), SLICE):
         part = payload[at:at + SLICE]
+        sendall(sock, part, peer)
         total.update(part)
-        sendall(sock, part if at + SLICE < len(payload) else b"".join([part, total.trailer()]), peer)
+    sendall(sock, total.trailer(), peer)
 
 
 def recv_summed(sock, view: memoryview, total: Sum, peer: str) -> int:
