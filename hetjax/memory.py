@@ -86,7 +86,7 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
     table = dict(cfg.sharding.rules)
 
     def split(logical: str) -> int:
-        return math.prod(mesh.shape[a] for a in sharding.mesh_axes(table.get(logical)))
+        return sharding.shards(table.get(logical), mesh.shape)
     batch_shards = split("batch") * split("length")  # rows x positions of a device's tokens
     tensor = split("heads")
     per_token_layer = _activation_bytes_per_layer_token(cfg, tensor, cfg.model.remat)

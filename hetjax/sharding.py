@@ -51,6 +51,12 @@ def mesh_axes(target) -> tuple[str, ...]:
     return () if target is None else (target,) if isinstance(target, str) else tuple(target)
 
 
+def shards(target, sizes) -> int:
+    """How many ways a rule's target splits a dimension; `sizes`: mesh axis -> size (a
+    Mesh's .shape)."""
+    return math.prod(sizes[a] for a in mesh_axes(target))
+
+
 def validate_sharding(s: ShardingConfig, model_axes) -> None:
     """Raises ConfigError unless the rules name every logical axis of the model
     (`model_axes`, e.g. ModelConfig.dims()) plus batch and length, once, onto mesh axes."""
@@ -184,8 +190,7 @@ def param_layouts(state, mesh: Mesh, rules) -> list[ParamLayout]:
         nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
         divisor, split = 1, False
         for dim, axis_name, axes in zip(value.shape, logical, spec):
-            axes = mesh_axes(axes)
-            parts = math.prod(mesh.shape[a] for a in axes)
+            axes, parts = mesh_axes(axes), shards(axes, mesh.shape)
             if dim % parts:
                 raise ConfigError(
                     f"parameter {name} {tuple(value.shape)}: its {axis_name!r} dimension of size "
@@ -225,9 +230,8 @@ def check_divisible(dims: dict[str, tuple[str, int]], rules, mesh: Mesh) -> None
     """
     table = dict(rules)
     for logical, (field, size) in dims.items():
-        target = table.get(logical)
-        axes = mesh_axes(target)
-        parts = math.prod(mesh.shape[a] for a in axes)
+        axes = mesh_axes(table.get(logical))
+        parts = shards(axes, mesh.shape)
         if size % parts:
             sizes = ", ".join(f"config.mesh.{a}={mesh.shape[a]}" for a in axes)
             raise ConfigError(
@@ -244,7 +248,7 @@ def check_microbatch_rows(batch_size: int, microbatches: int, rules, sizes, wher
     of it that others compute too: a ConfigError naming the rows, the axes and the fix,
     before anything compiles."""
     axes = mesh_axes(dict(rules).get("batch"))
-    unit, rows = math.prod(sizes[a] for a in axes), batch_size // microbatches
+    unit, rows = shards(axes, sizes), batch_size // microbatches
     if rows % unit:
         over = " x ".join(axes)
         raise ConfigError(
@@ -260,9 +264,8 @@ def check_batch_divisible(batch_size: int, seq_len: int, rules, mesh: Mesh) -> N
     once compiling has started. (Micro-batches: check_microbatch_rows.)"""
     table = dict(rules)
     for logical, field, size in (("batch", "batch_size", batch_size), ("length", "seq_len", seq_len)):
-        target = table.get(logical)
-        axes = mesh_axes(target)
-        unit = math.prod(mesh.shape[a] for a in axes)
+        axes = mesh_axes(table.get(logical))
+        unit = shards(axes, mesh.shape)
         if size % unit == 0:
             continue
         below, above = size // unit * unit, (size // unit + 1) * unit
