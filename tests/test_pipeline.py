@@ -108,7 +108,7 @@ def test_interleaved_schedules_run_every_chunk_once_in_dependency_order(kind):
                     assert sched.bubble_fraction() < pipeline.make_schedule(kind, S, M).bubble_fraction()
     sched = pipeline.make_schedule(kind, 2, 8, 2)
     assert sched.bubble_fraction() == pytest.approx(1 - 2 * 8 * 3 / (2 * 8 * 3 + 3))  # warm-up + cool-down: 3
-    with pytest.raises(ConfigError, match="virtual_stages=2 with schedule='1f1b'"):
+    with pytest.raises(ConfigError, match="virtual_stages=2 with config.pipeline.schedule='1f1b'"):
         pipeline.make_schedule("1f1b", 2, 4, 2)
 
 
@@ -150,7 +150,8 @@ def test_the_command_draws_every_schedule_the_interleaved_ones_included(capsys):
     assert heads == [*pipeline.KINDS, "gpipe x2 virtual", "1f1b_fused x2 virtual"]
     assert "F0.1" in out and "B3.0" in out  # micro-batch 0 through chunk 1, 3's backward through chunk 0
     assert main(["--schedule", "1f1b", "--virtual-stages", "2"]) == 2
-    assert "--virtual-stages 2 with schedule='1f1b'" in capsys.readouterr().err  # this command's option
+    err = capsys.readouterr().err
+    assert "--virtual-stages 2 with --schedule 1f1b" in err and "set --virtual-stages 1" in err  # this command's options
     assert main(["--virtual-stages", "0"]) == 2  # was taken for the default, 2
     assert "--virtual-stages=0" in capsys.readouterr().err
     # Fewer micro-batches than stages: 1F1B's refusal drew nothing, gpipe's timelines included.
@@ -159,7 +160,8 @@ def test_the_command_draws_every_schedule_the_interleaved_ones_included(capsys):
     assert [line.split(":")[0] for line in out.splitlines() if "micro-batches" in line] == ["gpipe", "gpipe x2 virtual"]
     assert "1F1B schedules left out: --microbatches 2 is below --stages 3" in out
     assert main(["--stages", "3", "--microbatches", "2", "--schedule", "1f1b"]) == 2
-    assert "--microbatches 2 is smaller than the 3 pipeline stages" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--microbatches 2 is smaller than the 3 pipeline stages" in err and "or --schedule gpipe" in err
 
 
 def test_the_command_names_its_pictures_by_the_file_name_only(tmp_path, capsys, monkeypatch):

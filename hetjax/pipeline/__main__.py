@@ -11,6 +11,10 @@ from hetjax.errors import ConfigError
 from hetjax.pipeline.schedule import KINDS, VIRTUAL_KINDS, island_orders, make_schedule, plot, timeline
 
 
+# make_schedule's errors in this command's options, not the config's.
+OPTION_NAMES = {"schedule": "--schedule {}", "microbatches": "--microbatches {}", "virtual": "--virtual-stages {}"}
+
+
 def main(argv=None) -> int:
     parser = cli.ArgumentParser(prog="python -m hetjax.pipeline", description=__doc__.split("`")[0].strip(),
                                 example="python -m hetjax.pipeline --stages 4 --microbatches 8 --schedule 1f1b "
@@ -37,12 +41,7 @@ def draw(args) -> int:
             print(f"(1F1B schedules left out: --microbatches {args.microbatches} is below --stages "
                   f"{args.stages}, and 1F1B never fills such a pipeline; gpipe is drawn)\n")
             wanted = [(k, v) for k, v in wanted if not k.startswith("1f1b")]
-    try:
-        schedules = [make_schedule(k, args.stages, args.microbatches, v) for k, v in wanted]
-    except ConfigError as e:  # said in this command's options, not the config's
-        raise ConfigError(str(e).replace("config.pipeline.microbatches=", "--microbatches ")
-                          .replace("config.pipeline.virtual_stages=", "--virtual-stages ")
-                          .replace("schedule='gpipe'", "--schedule gpipe")) from None
+    schedules = [make_schedule(k, args.stages, args.microbatches, v, OPTION_NAMES) for k, v in wanted]
     if args.png:
         cli.need("matplotlib", "plot", "--png")
     for schedule in schedules:

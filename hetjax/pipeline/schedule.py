@@ -147,21 +147,29 @@ class Schedule:
         return float(1.0 - self.microbatches * self.virtual * (forward_cost + backward_cost) / total)
 
 
-def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+# How make_schedule's errors name its settings: the config's fields by default; a command
+# passes its own option names.
+CONFIG_NAMES = {"schedule": "config.pipeline.schedule={!r}", "microbatches": "config.pipeline.microbatches={}",
+                "virtual": "config.pipeline.virtual_stages={}"}
+
+
+def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1, names=CONFIG_NAMES) -> Schedule:
     """The schedule `kind` (one of KINDS) for S stages, M micro-batches and V chunks
-    of layers per stage (virtual stages; V > 1 for gpipe and 1f1b_fused)."""
+    of layers per stage (virtual stages; V > 1 for gpipe and 1f1b_fused). `names`: how
+    a ConfigError names the settings (CONFIG_NAMES' keys, as format strings)."""
     S, M, V = stages, microbatches, virtual
     if kind not in KINDS:
-        raise ConfigError(f"config.pipeline.schedule={kind!r}: choose one of {KINDS}")
+        raise ConfigError(f"{names['schedule'].format(kind)}: choose one of {KINDS}")
     if S < 1 or M < 1 or V < 1:
         raise ConfigError(f"a schedule needs stages, microbatches and virtual_stages >= 1, got {S}, {M}, {V}")
     if kind.startswith("1f1b") and M < S:
         raise ConfigError(
-            f"config.pipeline.microbatches={M} is smaller than the {S} pipeline stages: 1F1B "
-            f"never fills the pipeline; use at least {S} micro-batches, or schedule='gpipe'")
+            f"{names['microbatches'].format(M)} is smaller than the {S} pipeline stages: 1F1B "
+            f"never fills the pipeline; use at least {S} micro-batches, or {names['schedule'].format('gpipe')}")
     if V > 1 and kind not in VIRTUAL_KINDS:
-        raise ConfigError(f"config.pipeline.virtual_stages={V} with schedule={kind!r}: interleaved "
-                          f"stages run with {' or '.join(VIRTUAL_KINDS)}; set virtual_stages=1 or change the schedule")
+        raise ConfigError(f"{names['virtual'].format(V)} with {names['schedule'].format(kind)}: interleaved "
+                          f"stages run with {' or '.join(VIRTUAL_KINDS)}; set {names['virtual'].format(1)} "
+                          f"or change the schedule")
     m, v, s = np.meshgrid(np.arange(M), np.arange(V), np.arange(S), indexing="ij")  # (M, V, S)
     if kind == "1f1b":
         # Forwards on one parity of ticks, backwards on the other: each stage has
