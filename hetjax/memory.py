@@ -75,6 +75,20 @@ def _activation_bytes_per_layer_token(cfg: Config, tensor: int, remat: str) -> f
     }[remat]
 
 
+def _gathered(layout, mesh, table) -> float:
+    """Bytes of one weight a device holds while it is all-gathered for its use (fsdp):
+    a weight split over a mesh axis that the batch is split over too is gathered whole
+    along that axis, keeping only its other splits (tensor): the embedding and head whole,
+    stacked layers one at a time. Under whatever config.sharding.rules say, not only fsdp."""
+    gather = {a for a in sharding.mesh_axes(table.get("batch")) if mesh.shape[a] > 1}
+    stacked = layout.logical[0] == "layers"
+    dims = [sharding.mesh_axes(axes) for axes in layout.spec][1 if stacked else 0:]
+    if not any(a in gather for axes in dims for a in axes):
+        return 0.0  # held whole already (its bytes_per_device)
+    kept = math.prod(mesh.shape[a] for axes in dims for a in axes if a not in gather)
+    return layout.bytes / (layout.shape[0] if stacked else 1) / kept
+
+
 def estimate(cfg: Config, layouts, mesh) -> Estimate:
     """Per-device bytes of parameters, Adam's two moments, gradients and activations."""
     params = sum(l.bytes_per_device for l in layouts)
@@ -111,10 +125,7 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
         tokens = math.ceil(cfg.batch_size / cfg.optim.grad_accum_steps / batch_shards) * cfg.seq_len
         activations = tokens * (m.num_layers * per_token_layer + working + logits)
     accumulated = params if cfg.optim.grad_accum_steps > 1 else 0  # the micro-steps' sum beside each one's
-    gathered = 0
-    if mesh.shape["fsdp"] > 1:  # each weight is all-gathered for its use: the embedding and head whole
-        gathered = (sum(l.bytes for l in layouts if l.logical[0] != "layers")  # (a vocabulary's worth each),
-                    + sum(l.bytes / l.shape[0] for l in layouts if l.logical[0] == "layers")) / tensor  # a layer
+    gathered = sum(_gathered(l, mesh, table) for l in layouts)
     return Estimate(
         parameters=params, optimizer=2 * params, gradients=params + accumulated,
         activations=int(activations),

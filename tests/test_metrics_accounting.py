@@ -208,6 +208,35 @@ def test_an_fsdp_estimate_counts_the_gathered_weights_and_the_accumulated_gradie
     assert est.total == pytest.approx(peak, rel=0.2), (est, peak)
 
 
+def test_the_gathered_weights_follow_the_sharding_rules_not_the_fsdp_axis():
+    """ZeRO-3 over `data` (config.sharding.rules mapping embed to data, the batch split over
+    data) gathers each weight as fsdp does: the estimate equals fsdp=8's, gathered weights
+    included. Before, nothing counted as gathered unless config.mesh.fsdp > 1 (the
+    embedding, head and a layer left out); and with tensor=2 beside it, only what the rules
+    split over tensor stays split while gathered."""
+    from hetjax.sharding import DEFAULT_RULES
+    model = dict(num_layers=4, embed_dim=512, mlp_dim=2048, num_heads=8, num_kv_heads=4, head_dim=64, vocab_size=32000)
+    fsdp = dataclasses.replace(tiny(**model), batch_size=8, seq_len=16)
+    over_data = dataclasses.replace(
+        fsdp, mesh=MeshConfig(data=-1, fsdp=1),
+        sharding=dataclasses.replace(fsdp.sharding, rules=tuple((k, "data" if k == "embed" else v) for k, v in DEFAULT_RULES)))
+
+    def estimate(cfg):
+        config_lib.validate(cfg)
+        mesh = make_mesh(cfg.mesh)
+        return memory.estimate(cfg, program.build(cfg, mesh).layouts, mesh)
+    a, b = estimate(fsdp), estimate(over_data)
+    m = fsdp.model
+    layer = (m.embed_dim * (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim + 3 * m.embed_dim * m.mlp_dim
+             + 2 * m.embed_dim) * 4  # fp32 weights of one layer: attention, SwiGLU, two norms
+    whole = (2 * m.vocab_size * m.embed_dim + m.embed_dim) * 4  # embedding, head, final norm
+    assert a.gathered == b.gathered == pytest.approx(whole + layer, rel=1e-6)
+    assert a == b
+    tensor = dataclasses.replace(fsdp, mesh=MeshConfig(fsdp=-1, tensor=2))
+    norms = (2 * m.embed_dim + m.embed_dim) * 4  # split over fsdp only: gathered whole
+    assert estimate(tensor).gathered == pytest.approx((whole + layer - norms) / 2 + norms, rel=1e-6)
+
+
 # -- one run, resumed: step times, token rates and warm-up rows ----------------------------
 
 
