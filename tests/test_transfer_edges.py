@@ -124,6 +124,63 @@ def test_a_stream_cut_inside_a_chunk_names_the_receive_and_the_sending_process()
         a.close(), b.close()
 
 
+def _proxy_resetting_after_one_chunk(upstream: str) -> str:
+    """A TCP proxy that passes the handshake and one whole CHUNK frame (header, payload,
+    checksum), then resets the connection (RST): cut between two chunks of a message."""
+    import json
+    import struct
+
+    from hetjax.transfer import wire
+    listener = socket.create_server(("127.0.0.1", 0))
+    host, port = upstream.rsplit(":", 1)
+
+    def exactly(sock, n):
+        data = b""
+        while len(data) < n:
+            data += sock.recv(n - len(data))
+        return data
+
+    def serve():
+        client, _ = listener.accept()
+        server = socket.create_connection((host, int(port)))
+        threading.Thread(target=lambda: [client.sendall(x) for x in iter(lambda: server.recv(65536), b"")],
+                         daemon=True).start()
+        server.sendall(exactly(client, 64))  # the handshake: nonce and proof
+        head = exactly(client, wire.FRAME.size)
+        meta = exactly(client, wire.FRAME.unpack(head)[2])
+        assert wire.FRAME.unpack(head)[1] == wire.CHUNK
+        server.sendall(head + meta + exactly(client, json.loads(meta)["n"] + wire.TRAILER.size))
+        for s in (server, client):  # a reset, not an orderly close: no FIN reaches either side
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.shutdown(socket.SHUT_RD)  # sends nothing; wakes the thread reading it, so close() frees it
+            s.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_a_stream_reset_between_two_chunks_fails_the_receive_at_once():
+    """A connection reset between two chunks of a message left the receive waiting: the
+    receiving thread raised, but failed nothing, and the sending process, alive, answered
+    every ping, so the receive waited out busy_timeout_s (900 s by default)."""
+    import time
+    one = sharding(jax.devices()[:1], ("a",), ())
+    x = jax.device_put(np.arange(1 << 20, dtype=np.float32), one)  # 4 MiB: four chunks of 1 MiB
+    a, b = endpoints("host", streams=1, chunk_bytes=1 << 20, timeout_s=2, busy_timeout_s=60)
+    try:
+        # The sender's own address for pings: it is alive and answers them.
+        r = b.recv("acts", jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), one, peers={0: a.addresses})
+        start = time.monotonic()
+        h = a.send(x, "acts", one, peers={0: (_proxy_resetting_after_one_chunk(b.addresses[0]),)})
+        with pytest.raises(PeerLost, match=r"recv 'acts'.*(reset|lost)"):
+            r.wait()
+        assert time.monotonic() - start < 10
+        with pytest.raises(TransferError):
+            h.wait()
+    finally:
+        a.close(), b.close()
+
+
 def test_the_byte_range_check_refuses_exactly_the_overlapping_chunks():
     """Inbox.claim keeps each piece's ranges sorted (it was a scan of every range per
     chunk: 47 s of a receiver's time for a 128 MiB piece in 4 KiB chunks). Against a

@@ -2,14 +2,13 @@
 
 Each process listens on its NIC addresses (loopback by default). A sender opens `streams`
 connections to each destination process it feeds (stream i to the peer's address i % len),
-proves the job's shared secret by HMAC challenge-response (both ways), then pushes chunks:
-a JSON header (tag, leaf, piece, shape, dtype, region, offset, length), the payload and
-its checksum (a message of at most 64 KiB: one frame, all headers and checksums, then all
-payloads). The receiver checks each header against its own plan before reading the
-payload into place, sums it slice by slice as it lands, checks the sum, and moves a
-block to the device as soon as its pieces are in.
-This module is the endpoint and its receiving side; a posted receive is inbox.py, the
-frames, the handshake and the pings are in wire.py, the sending streams in stream.py.
+proves the job's secret by HMAC challenge-response (both ways), then pushes chunks: a JSON
+header (tag, leaf, piece, shape, dtype, region, offset, length), the payload, its checksum
+(a message of at most 64 KiB: one frame, all headers and checksums, then all payloads).
+The receiver checks each header against its plan, sums the payload slice by slice as it
+lands, checks the sum, and moves a block to the device once its pieces are in. Here: the
+endpoint and its receiving side; inbox.py a posted receive, wire.py the frames, handshake
+and pings, stream.py the sending streams.
 """
 
 from __future__ import annotations
@@ -34,11 +33,10 @@ log = logging.getLogger("hetjax.transfer")
 # How long close() waits for the END frames of messages that already arrived: they follow
 # their last chunk at once, so this is only reached when a sender died mid-message.
 CLOSE_GRACE_S = 5.0
-# Anyone who can reach the port can open connections: each one that has not proved the
-# secret yet holds a thread and a descriptor, so there are at most this many at a time
-# per endpoint, each for at most HANDSHAKE_S (not the link's timeout), and refusals are
-# logged at most once per REFUSAL_LOG_S (with the count of those not logged). A silent
-# peer's ping waits as long for each step, not timeout_s: a starved peer answers late.
+# Anyone who can reach the port can open connections: one not proved yet holds a thread and
+# a descriptor, so at most this many at a time per endpoint, each for at most HANDSHAKE_S
+# (not timeout_s), and refusals are logged at most once per REFUSAL_LOG_S (with a count of
+# those not logged). A silent peer's ping waits as long per step: a starved peer answers late.
 MAX_UNAUTHENTICATED = 32
 HANDSHAKE_S = 5.0
 REFUSAL_LOG_S = 10.0
@@ -134,9 +132,8 @@ class HostEndpoint(Endpoint):
                 self._threads.discard(threading.current_thread())
 
     def _accept(self, listener, here: str):
-        """Accepts connections until close(). An accept error (out of descriptors, of
-        memory) is waited out with a growing pause, never the end of the loop: the
-        connections wait in the kernel's backlog meanwhile."""
+        """Accepts connections until close(). An accept error (out of descriptors or memory)
+        is waited out with a growing pause, connections waiting in the kernel's backlog."""
         pause = 0.0
         while not self._closed:
             try:
@@ -220,12 +217,15 @@ class HostEndpoint(Endpoint):
             while True:
                 try:
                     kind, meta = wire.read_frame(conn, peer, idle_ok=True, timeout_s=self.cfg.timeout_s)
-                except EOFError:
-                    if began is None:
+                except (EOFError, TransferError) as e:  # closed, reset, silent or garbled
+                    if began is None and isinstance(e, EOFError):
                         return
+                    if began is None:
+                        raise
                     inbox = began[1]  # the rest of its message cannot come: fail it now, not at busy_timeout_s
-                    raise PeerLost(f"recv {began[0]!r}: peer {peer} closed its stream in the middle of the message "
-                                   f"(its send failed, or it was stopped)") from None
+                    raise (PeerLost(f"recv {began[0]!r}: peer {peer} closed its stream in the middle of the message "
+                                    f"(its send failed, or it was stopped)") if isinstance(e, EOFError)
+                           else type(e)(f"recv {began[0]!r}, between two chunks: {e}")) from None
                 if kind == wire.PING:
                     wire.send_frame(conn, wire.PONG, {"status": self.status}, peer)
                     continue

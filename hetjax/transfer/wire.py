@@ -183,7 +183,10 @@ def read_frame(sock, peer: str, idle_ok: bool, timeout_s: float) -> tuple[int, d
     forever before the frame starts (EOFError if it closes then); timeout_s bounds the rest."""
     if idle_ok:  # a persistent connection may sit idle between transfers
         sock.settimeout(None)
-        first = sock.recv(1)
+        try:
+            first = sock.recv(1)
+        except OSError as e:  # reset, or the peer's machine gone (keepalive)
+            raise PeerLost(f"peer {peer}: connection lost ({e})") from None
         if not first:
             raise EOFError
         sock.settimeout(timeout_s)
