@@ -35,13 +35,13 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as keep_policy
 
 from hetjax import checkpoint_copy, checkpoint_readable, orbax_noise, save_failures
-from hetjax.checkpoint_fit import check_optimizer, check_shapes, saved_dtypes, shapes, verify
+from hetjax.checkpoint_fit import check_optimizer, check_shapes, saved_dtypes, shapes, verify, verify_json
 from hetjax.compile import aot
 from hetjax.checkpoint_config import CORRUPT_DIR, CheckpointConfig, default_dir  # noqa: F401 - used by callers
 from hetjax.errors import CheckpointError, ConfigError, CorruptCheckpoint  # noqa: F401 - raised here, caught by callers
 from hetjax.models.llama import BLOCKS
 from hetjax.state import TrainState
-from hetjax.repro.digest import params_checksum
+from hetjax.repro.digest import json_checksum, params_checksum
 
 
 
@@ -208,7 +208,8 @@ class Manager:
             params_hashes = {k.removeprefix("params/"): v for k, v in sums.items() if k.startswith("params/")}
             # cwd: what the config's relative paths (init_from) were relative to, for its readers
             return {"step": step, "params_checksum": params_checksum(host["params"], params_hashes),
-                    "checksums": sums, "time": started, "cwd": cwd}
+                    "checksums": sums, "time": started, "cwd": cwd,
+                    "json_checksums": {"data": json_checksum(data_state), "config": json_checksum(config)}}
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(host["params"]), opt_state=ocp.args.StandardSave(host["opt_state"]),
             data=ocp.args.JsonSave(data_state), config=ocp.args.JsonSave(config), meta=_LaterJsonSave(meta))
@@ -352,6 +353,7 @@ class Manager:
         those written at save time."""
         where = self.where(step)
         small = self.read_json(step, "meta", *json_items)
+        verify_json(small, json_items, where)
         saved = self._fits(step, small.get("config"), {k: a for k, (a, _) in arrays.items()}, check)
         wanted = {k: aot.abstract(a, s) for k, (a, s) in arrays.items()}
         try:  # as saved (a bf16 import, a run whose param_dtype changed): its checksums are of those bits

@@ -10,7 +10,7 @@ import numpy as np
 
 from hetjax.checkpoint_config import default_dir, island_folders
 from hetjax.errors import ConfigError, CorruptCheckpoint
-from hetjax.repro.digest import leaf_checksums, path_name
+from hetjax.repro.digest import json_checksum, leaf_checksums, path_name
 
 
 def padded_split(config: dict | None) -> tuple[int, ...] | None:
@@ -144,6 +144,17 @@ def verify(expected: dict[str, str], tree, where: str) -> None:
         raise CorruptCheckpoint(
             f"{where} is damaged: {len(bad)} array(s) differ from the checksums written at save "
             f"time (first: {bad[:3]})")
+
+
+def verify_json(small, items, where: str) -> None:
+    """Checks JSON `items` of a checkpoint (data, config) against the checksums its meta
+    holds (checkpoints written before they were kept pass): a damaged data state would
+    otherwise resume on other batches, or fail every start the same way."""
+    expected = small.meta.get("json_checksums", {})
+    bad = [k for k in items if k in expected and json_checksum(small.get(k)) != expected[k]]
+    if bad:
+        raise CorruptCheckpoint(f"{where} is damaged: its {', '.join(bad)} item(s) differ from the checksums "
+                                f"written at save time")
 
 
 def check_whole_model(saved_config: dict | None, where: str) -> None:

@@ -195,7 +195,15 @@ def test_fingerprint_sees_one_flipped_bit_and_ignores_layout():
 
 def damage_params(step_dir: Path, damage: str) -> None:
     """Truncates (to half, or to a twentieth: "truncate-most") or zeroes 16 bytes in the
-    middle of the largest parameter file."""
+    middle of the largest parameter file; or edits the saved data state ("data": the step
+    its batches resume at) or config ("config": a model field) as text, leaving valid JSON."""
+    if damage in ("data", "config"):
+        item = step_dir / damage / "metadata"
+        text = item.read_text()
+        edited = text.replace('"step": 4', '"step": 3') if damage == "data" else text.replace('"num_layers": 2', '"num_layers": 3')
+        assert edited != text, text
+        item.write_text(edited)
+        return
     files = sorted((p for p in (step_dir / "params").rglob("*") if p.is_file() and p.stat().st_size > 64),
                    key=lambda p: -p.stat().st_size)
     victim = files[0]
@@ -207,8 +215,10 @@ def damage_params(step_dir: Path, damage: str) -> None:
         victim.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "overwrite"])
+@pytest.mark.parametrize("damage", ["truncate", "overwrite", "data", "config"])
 def test_a_damaged_latest_checkpoint_is_reported_and_skipped(tmp_path, damage, saved):
+    """Also its JSON items: a data state edited to another step failed an assertion on
+    every start (or, under python -O, resumed on other batches), never set aside."""
     shutil.copytree(saved[0], tmp_path / "ck")
     saved = saved[1]
     damage_params(tmp_path / "ck" / "4", damage)

@@ -128,6 +128,13 @@ def params_checksum(params, hashes: dict[str, str] | None = None) -> str:
     return h.hexdigest()[:32]
 
 
+def json_checksum(value) -> str:
+    """A checksum of a JSON item (a checkpoint's data state or config) as its canonical
+    text: the same for the value saved and the value read back (tuples read as lists)."""
+    import json
+    return hashlib.blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
 def part_hash(*fields) -> int:
     """A 64-bit value for one part: blake2b of its fields' text."""
     text = "|".join(map(str, fields)).encode()
