@@ -502,7 +502,7 @@ def test_a_checkpoint_of_islands_in_another_order_is_refused():
         check_placement(islands("a", "c", "b"), saved, "step 2")
 
 
-def test_a_resume_under_another_layer_split_is_refused_before_compiling(tmp_path, monkeypatch):
+def test_a_resume_under_another_layer_split_is_refused_before_compiling(tmp_path, monkeypatch, capsys):
     """The split follows the islands' speeds (or auto_split's measurement, taken at each
     start): a step saved as 2 + 2 layers, resumed as 3 + 1, used to fail only once every
     island had compiled, with an error that blamed config.model."""
@@ -528,3 +528,13 @@ def test_a_resume_under_another_layer_split_is_refused_before_compiling(tmp_path
     monkeypatch.undo()
     monkeypatch.setenv("SPEED0", "3")
     assert train.main([*args, "--config.steps=4", "--config.hetero.island_layers=(2,2)"]) == 0  # as it says
+    # Under auto_split a resumed job keeps its checkpoints' split: measured anew (here cuda
+    # three times as fast as rocm, 3 + 1), it was refused, with advice that auto_split refuses.
+    monkeypatch.setattr(job_lib, "seconds_per_layer", lambda *a, **k: pytest.fail("measured again"))
+    capsys.readouterr()
+    assert train.main([*args, "--config.steps=5", "--config.hetero.auto_split=True"]) == 0
+    assert "resuming with the split the checkpoints hold, (2, 2)" in capsys.readouterr().out
+    # Process mode sees one island's checkpoints: its advice named a split of that island alone.
+    with pytest.raises(ConfigError, match=r"places 3 layers on \(the split .*\); set config.hetero.island_layers so,"):
+        from hetjax.hetero.checkpoints import check_saved_placement
+        check_saved_placement(load(str(config), {"run_dir": str(tmp_path / "run")}), ["cuda"], {"cuda": 3})

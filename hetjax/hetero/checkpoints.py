@@ -207,6 +207,25 @@ def check_placement(cfg, saved: dict | None, where: str) -> None:
                 f"other layers than this config places there; set {field} back to {was!r}")
 
 
+def saved_layers(cfg, name: str) -> int:
+    """The layers island `name` holds in its newest readable checkpoint; 0 when it has none.
+    auto_split keeps a resumed job's split by it: measured anew at each start, the split
+    could differ, and the job's own checkpoints would be refused."""
+    directory = checkpoint.default_dir(cfg) / name
+    if not directory.is_dir():
+        return 0
+    manager = checkpoint.Manager(directory, read_only=True)
+    try:
+        for step in reversed(manager.steps()):
+            try:
+                return manager.stacked_layers(step) or 0
+            except checkpoint.CorruptCheckpoint:  # restore_latest sets it aside; the one before counts
+                continue
+        return 0
+    finally:
+        manager.close()
+
+
 def check_saved_placement(cfg, names, held: dict | None = None, data_fingerprint: str | None = None) -> None:
     """check_placement for every readable checkpoint of the islands `names` in the job's
     checkpoint directory; that the newest is not past config.steps and (given
@@ -239,14 +258,17 @@ def check_saved_placement(cfg, names, held: dict | None = None, data_fingerprint
             manager.close()
     differ = {n: r for n, (r, _) in saved_layers.items() if held and r is not None and r != held[n]}
     if differ:
-        split = tuple(saved_layers[n][0] for n in names) if len(saved_layers) == len(names) == len(held) else None
+        # The whole split only where every island's checkpoint is seen (one process sees its own).
+        whole = len(saved_layers) == len(names) == len(held) == len(cfg.hetero.islands)
+        split = tuple(saved_layers[n][0] for n in names) if whole else None
         was = f"; it was written with the split {split}, which --config.hetero.island_layers={split} restores" \
             if split else ""
         name = next(iter(differ))
         raise ConfigError(
             f"{saved_layers[name][1]} holds {differ[name]} layers of island {name!r}, which this start places "
             f"{held[name]} layers on (the split follows config.hetero.islands' speeds, or auto_split's measurement "
-            f"at each start){was}; set config.hetero.island_layers so, or give a new config.run_dir")
+            f"at each start){was}; set config.hetero.island_layers so"
+            f"{' with config.hetero.auto_split=False' if cfg.hetero.auto_split else ''}, or give a new config.run_dir")
 
 
 def _param_name(path) -> str | None:

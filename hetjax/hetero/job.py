@@ -31,7 +31,7 @@ from hetjax.compile import backend
 from hetjax.errors import ConfigError, IslandLost
 from hetjax.hetero import island as island_lib
 from hetjax.hetero.peaks import island_agreed, peak_of_job
-from hetjax.hetero.checkpoints import Checkpoints, check_saved_placement, held_by_all, steps_row
+from hetjax.hetero.checkpoints import Checkpoints, check_saved_placement, held_by_all, saved_layers, steps_row
 from hetjax.hetero.checkpoints import manager as island_manager
 from hetjax.hetero import placement
 from hetjax.hetero import runtime
@@ -213,15 +213,21 @@ class IslandsJob:
         self._run(local, lambda k: check_config(cfg, links[k], meshes[k]))
         layers = [()] * n  # the layers each island holds (pipeline placement)
         if h.placement == "pipeline":
-            speeds = None
-            if h.auto_split:  # rank 0's time: each process of an island measures its own
+            split = placement.island_layers(cfg) if not h.auto_split else None
+            if h.auto_split:  # a resumed job keeps the split its checkpoints hold (saved_layers)
+                saved = self._run(local, lambda k: links[k].gather(np.asarray(
+                    [island_agreed(saved_layers(cfg, h.islands[k].name))], np.float32), "saved_split", meshes[k]))[0]
+                if saved[:, 0].min() > 0 and saved[:, 0].sum() == cfg.model.num_layers:
+                    split = tuple(int(n) for n in saved[:, 0])
+                    log(f"auto_split: resuming with the split the checkpoints hold, {split}; not measured again")
+            if split is None:  # rank 0's time: each process of an island measures its own
                 times = self._run(local, lambda k: links[k].gather(
                     np.asarray([island_agreed(seconds_per_layer(cfg, meshes[k]))], np.float32), "profile",
                     meshes[k]))[0]
-                speeds = placement.balance(times[:, 0].tolist())
+                split = placement.island_layers(cfg, placement.balance(times[:, 0].tolist()))
                 log("auto_split: seconds per layer " + ", ".join(
                     f"{i.name} {t:.4g}" for i, t in zip(h.islands, times[:, 0])))
-            layers = island_lib.held_layers(cfg, placement.island_layers(cfg, speeds))
+            layers = island_lib.held_layers(cfg, split)
         check_saved_placement(cfg, [h.islands[k].name for k in local],  # before compiling
                               {h.islands[k].name: sum(b - a for a, b in layers[k]) for k in local}
                               if h.placement == "pipeline" else None, dataset.fingerprint)
