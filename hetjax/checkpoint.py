@@ -8,17 +8,16 @@ A checkpoint of step s (= optimizer steps taken) is one orbax step directory
   data       the data iterator's state, a small JSON dict (the synthetic stream's is
              {"step": s}; a grain iterator's get_state() fits the same slot)
   config     the resolved config that ran
-  meta       step, the parameter fingerprint, and a checksum of every array
+  meta       step, the parameter fingerprint, a checksum of every array and JSON item
 
 Saves are asynchronous: `save` only dispatches the copy of the arrays to host memory
 (and their checksums), then orbax writes in a background thread and commits by an
-atomic rename, so a process killed mid-save leaves a temporary directory that is never
-read. Restoring targets ShapeDtypeStructs that carry the *current* mesh's shardings,
-so a checkpoint written on one layout loads onto another and each device reads only
-its own shard. After reading, every array is checksummed again and compared with
-the checksum computed before the save, which catches damaged files that still
-decode; a checkpoint that fails to read or verify is moved aside (never deleted)
-and the previous one is used.
+atomic rename, so a process killed mid-save leaves a temporary directory never read.
+Restoring targets ShapeDtypeStructs that carry the *current* mesh's shardings, so a
+checkpoint written on one layout loads onto another, each device reading its own shard.
+Every array and JSON item read is checksummed again against the save's checksums,
+which catches damaged files that still decode; a checkpoint that fails to read or
+verify is moved aside (never deleted) and the previous one is used.
 """
 
 from __future__ import annotations
@@ -150,8 +149,7 @@ class Manager:
             preservation_policy=None if read_only else keep_policy.AnyPreservationPolicy(policies),
             enable_async_checkpointing=cfg.async_save,
             enable_background_delete=cfg.async_save,  # old steps are deleted off the loop's thread too
-            read_only=read_only,
-            create=not read_only,
+            read_only=read_only, create=not read_only,
             # orbax warns on each read-only open that it turns saving off: it is off already
             **({"save_interval_steps": 0} if read_only else {}),
         )
@@ -417,6 +415,13 @@ class Manager:
             return self._manager.item_metadata(step)[item]
         except Exception as e:
             raise CorruptCheckpoint(f"{where}: cannot read the metadata of {item!r} ({e})") from e
+
+    def items(self, step: int) -> set[str] | None:
+        """The items checkpoint `step` holds (params, opt_state, data, ...); None if unreadable."""
+        try:
+            return set(self._manager.item_metadata(step).keys())
+        except Exception:  # noqa: BLE001 - damage, reported where the step is read
+            return None
 
     def move_aside(self, step: int, log, why: str = "damaged") -> None:
         """Moves checkpoint `step` out of the way (into corrupt/, never deleted). Every

@@ -166,6 +166,18 @@ def check_whole_model(saved_config: dict | None, where: str) -> None:
             f"checkpoints together first, with {export_command()}, and give DIR")
 
 
+def check_resumable(checkpoints) -> None:
+    """Refuses a checkpoint directory of weights only (hetjax.convert's import, an export)
+    given as the run's own, before anything compiles or moves: resumed, each step lacks
+    the optimizer state and data iterator, and would be set aside as damaged."""
+    held = [items for step in checkpoints.steps() if (items := checkpoints.items(step)) is not None]
+    if held and not any("opt_state" in items for items in held):
+        raise ConfigError(
+            f"config.checkpoint.dir={checkpoints.directory} holds weights only (no optimizer state or data "
+            f"iterator: an import or export), not a run's checkpoints to resume; start from it with "
+            f"--config.init_from={checkpoints.directory}, and leave config.checkpoint.dir to the run's own")
+
+
 def check_not_past(cfg, step: int, directory) -> None:
     """Refuses to resume at `step` beyond config.steps: the final save would label step
     `step`'s state as config.steps."""

@@ -207,14 +207,17 @@ def import_hf(hf_dir: Path, out_dir: Path, param_dtype: str = "float32", log=pri
         log(f"  {e.path:26} {str(x.shape):22} <- {e.hf}")
         del x
     ocp_partial.finalize(staging)
-    manager = ocp.CheckpointManager(out_dir, item_handlers={"meta": ocp.JsonCheckpointHandler(),
-                                                             "config": ocp.JsonCheckpointHandler()})
+    # Step 0 is put together under staging and renamed into out_dir whole: committed there
+    # first, it would read as a checkpoint without params until they were moved in.
+    manager = ocp.CheckpointManager(staging / "ck", item_handlers={"meta": ocp.JsonCheckpointHandler(),
+                                                                   "config": ocp.JsonCheckpointHandler()})
     meta = {"step": 0, "checksums": {f"params/{k}": v for k, v in hashes.items()}, "hf_config": hf_config,
             "params_checksum": digest.params_checksum(shapes, hashes), "source": str(hf_dir)}
     manager.save(0, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta),
                                             config=ocp.args.JsonSave({"model": dataclasses.asdict(m)})))
     manager.close()
-    (staging / "state").rename(out_dir / "0" / "params")
+    (staging / "state").rename(staging / "ck" / "0" / "params")
+    (staging / "ck" / "0").rename(out_dir / "0")
     shutil.rmtree(staging)
     return m
 
@@ -313,7 +316,8 @@ def _base_hf_config(directory: Path, small, log, hops: int = 4) -> dict | None:
     if meta.get("hf_config") is None:
         log(f"warning: no Hugging Face config found for {directory} (neither it nor its config.init_from "
             f"chain was imported with `hetjax.convert import`); config.json gets transformers' defaults for "
-            f"the token ids (bos, eos) and max_position_embeddings: check them before serving the model")
+            f"the token ids (bos, eos), and max_position_embeddings is config.model.rope_original_max_length: "
+            f"check them before serving the model")
     return meta.get("hf_config")
 
 

@@ -179,6 +179,7 @@ class MeshJob:
             init_abstract = None  # config.init_from's layout, once read
             try:
                 if saved := self.checkpoints.steps():
+                    checkpoint_fit.check_resumable(self.checkpoints)
                     checkpoint_fit.check_not_past(cfg, saved[-1], self.checkpoints.directory)
                     self.checkpoints.check_usable(saved[-1], {"params": prog.state.params,
                                                               "opt_state": prog.state.opt_state}, check)

@@ -17,7 +17,7 @@ class OptimConfig:
 
     learning_rate: float = 3e-4
     warmup_steps: int = 10
-    decay_steps: int = 0  # the step where the cosine ends, warmup included; 0: config.steps
+    decay_steps: int = 0  # updates until the cosine ends, warmup included; 0: config.steps (from data.start_step)
     min_lr_ratio: float = 0.1
     b1: float = 0.9
     b2: float = 0.95

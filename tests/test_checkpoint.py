@@ -200,7 +200,8 @@ def damage_params(step_dir: Path, damage: str) -> None:
     if damage in ("data", "config"):
         item = step_dir / damage / "metadata"
         text = item.read_text()
-        edited = text.replace('"step": 4', '"step": 3') if damage == "data" else text.replace('"num_layers": 2', '"num_layers": 3')
+        edited = (text.replace('"step": 4', '"step": 3') if damage == "data"
+                  else text.replace('"num_layers": 2', '"num_layers": 3'))
         assert edited != text, text
         item.write_text(edited)
         return

@@ -91,6 +91,28 @@ def test_imported_logits_match_transformers_and_the_round_trip_is_exact(tmp_path
     assert metas[0]["params_checksum"] == digest.params_checksum(params)
 
 
+def test_an_import_that_dies_before_its_params_are_in_leaves_no_step_behind(tmp_path, monkeypatch):
+    """Step 0 was committed with its config and meta, and the params moved in after: an
+    import killed between the two left a step without params, which a second import
+    refused to overwrite and init_from reported unreadable."""
+    from pathlib import Path
+    hf_model("llama", tmp_path / "hf")
+    rename = Path.rename
+
+    def dies_moving_params(self, target):
+        if Path(target).name == "params":
+            raise KeyboardInterrupt  # as a kill would, midway
+        return rename(self, target)
+    with monkeypatch.context() as patched:
+        patched.setattr(Path, "rename", dies_moving_params)
+        with pytest.raises(KeyboardInterrupt):
+            convert.import_hf(tmp_path / "hf", tmp_path / "ck", log=lambda _: None)
+    assert not (tmp_path / "ck" / "0").exists()
+    convert.import_hf(tmp_path / "hf", tmp_path / "ck", log=lambda _: None)  # again: complete
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["0"]
+    assert {"params", "meta", "config"} <= {p.name for p in (tmp_path / "ck" / "0").iterdir()}
+
+
 def test_bfloat16_weights_import_exactly(tmp_path):
     model = hf_model("qwen2", tmp_path / "f32")
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
@@ -155,6 +177,14 @@ def test_a_run_started_from_imported_weights_exports_the_original_token_ids(tmp_
     assert convert.main(["import", "hf", "imported"]) == 0
     hint = capsys.readouterr().out.split("--config.init_from=imported ")[1].split()
     assert "--config.model.norm_eps=1e-06" in hint and "--config.model.rope_theta=1000000.0" in hint
+    # Given as the run's own checkpoints, the import was compiled for, then moved into
+    # corrupt/ as "damaged" (no optimizer state, no data item). Now refused before that.
+    with monkeypatch.context() as patched:
+        patched.setattr(train.aot, "compile", lambda *a, **k: pytest.fail("compiled before refusing"))
+        with pytest.raises(config_lib.ConfigError, match="holds weights only .* --config.init_from="):
+            train.main(["--config", "tiny.py", "--config.steps=1", "--config.run_dir=run0",
+                        "--config.checkpoint.dir=imported", "--config.data.branching=4", *hint])
+    assert (tmp_path / "imported" / "0" / "params").is_dir() and not (tmp_path / "corrupt").exists()
     assert train.main(["--config", "tiny.py", "--config.steps=1", "--config.eval_every=0", "--config.tensorboard=false",
                        "--config.run_dir=run", "--config.init_from=imported", "--config.data.branching=4", *hint]) == 0
     assert "another function" not in capsys.readouterr().out
@@ -187,7 +217,11 @@ def test_a_run_started_from_imported_weights_exports_the_original_token_ids(tmp_
                        "--config.run_dir=scratch", "--config.data.branching=4",
                        *[f"--config.model.{k}={v}" for k, v in model.items()]]) == 0
     convert.export_hf(tmp_path / "scratch", tmp_path / "out2", log=logged.append)
-    assert [line for line in logged if "no Hugging Face config found" in line]
+    warned = [line for line in logged if "no Hugging Face config found" in line]
+    # It said max_position_embeddings took transformers' default; it is the model's RoPE length.
+    written = json.loads((tmp_path / "out2" / "config.json").read_text())["max_position_embeddings"]
+    assert written == config_lib.load("tiny.py").model.rope_original_max_length
+    assert warned and "max_position_embeddings is config.model.rope_original_max_length" in warned[0]
 
 
 @pytest.mark.parametrize("field, value, message", [
