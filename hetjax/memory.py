@@ -97,19 +97,21 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
     layer_params = sum(l.bytes_per_device / l.shape[0] for l in layouts if l.logical[0] == "layers")
     # The activations split as config.sharding.rules split their axes (not as the default
     # rules would: a rule edited for an experiment changes what each device holds).
+    # A mesh axis splits one dimension of an activation, the first that names it
+    # (sharding.spec_for): with length on tensor, the heads are not split by it too.
     table = dict(cfg.sharding.rules)
 
-    def split(logical: str) -> int:
-        return sharding.shards(table.get(logical), mesh.shape)
-    batch_shards = split("batch") * split("length")  # rows x positions of a device's tokens
-    tensor = split("heads")
+    def splits(*logical) -> list[int]:
+        return [sharding.shards(axes, mesh.shape) for axes in sharding.spec_for(logical, cfg.sharding.rules)]
+    rows, positions, tensor, _ = splits("batch", "length", "heads", "head_dim")
+    batch_shards = rows * positions  # rows x positions of a device's tokens
     per_token_layer = _activation_bytes_per_layer_token(cfg, tensor, cfg.model.remat)
     m = cfg.model
     # One layer's full working set is live while the backward pass recomputes or
     # consumes it, with the gradients of its attention logits and probabilities beside
     # them, plus the output's fp32 logits and their gradient.
     working = _activation_bytes_per_layer_token(cfg, tensor, "none") + _attention_scores(cfg, tensor)
-    logits = 2 * 4 * m.vocab_size / tensor
+    logits = 2 * 4 * m.vocab_size / splits("batch", "length", "vocab")[2]
     stages = mesh.shape["pipeline"]
     if stages > 1:
         # hetjax.pipeline.spmd: a stage stashes the input of each micro-batch in flight and
@@ -121,15 +123,17 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
         tokens = math.ceil(cfg.batch_size / p.microbatches / batch_shards) * cfg.seq_len
         stash = slots * m.embed_dim * np.dtype(m.dtype).itemsize
         activations = tokens * (stash + rows // stages // p.virtual_stages * per_token_layer + working + logits)
+        layer_activations = tokens * per_token_layer / (stages * p.virtual_stages)  # a stage's chunk holds 1/(S V) of them
     else:
         tokens = math.ceil(cfg.batch_size / cfg.optim.grad_accum_steps / batch_shards) * cfg.seq_len
         activations = tokens * (m.num_layers * per_token_layer + working + logits)
+        layer_activations = tokens * per_token_layer
     accumulated = params if cfg.optim.grad_accum_steps > 1 else 0  # the micro-steps' sum beside each one's
     gathered = sum(_gathered(l, mesh, table) for l in layouts)
     return Estimate(
         parameters=params, optimizer=2 * params, gradients=params + accumulated,
         activations=int(activations),
-        per_layer=int(4 * layer_params + tokens * per_token_layer),
+        per_layer=int(4 * layer_params + layer_activations),
         devices=mesh.size, gathered=int(gathered))
 
 
@@ -168,6 +172,8 @@ def check_fits(cfg: Config, est: Estimate, mesh) -> None:
     need_devices = math.ceil(one_device_total / budget)
     fixed = est.total - cfg.model.num_layers * est.per_layer
     max_layers = int((budget - fixed) // est.per_layer) if est.per_layer else 0
+    if mesh.shape["pipeline"] > 1:  # a count the stages (and their chunks) split evenly
+        max_layers -= max_layers % (mesh.shape["pipeline"] * cfg.pipeline.virtual_stages)
     layer_hint = (f"--config.model.num_layers={max_layers}" if max_layers >= 1 else
                   "not even one layer fits: lower config.batch_size or config.seq_len")
     raise DoesNotFit(
