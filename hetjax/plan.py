@@ -22,15 +22,16 @@ from hetjax.compile import backend, cli, hardware
 def main(argv: list[str]) -> int:
     parser = cli_lib.ArgumentParser(prog="python -m hetjax.plan", description=__doc__.split("\n")[0],
                                     example='python -m hetjax.plan --config tiny --devices 8 --mesh "fsdp=8;data=2,fsdp=4"')
-    parser.add_argument("--devices", type=int, help="device count (default: config.mesh)")
+    parser.add_argument("--devices", type=int, help="device count (default: the --mesh sizes' product, "
+                                                    "else config.mesh's)")
     parser.add_argument("--mesh", action="append", default=[],
                         help="AXIS=SIZE,... (repeat, or separate meshes by ';'); default config.mesh")
     parser.add_argument("--hardware", default=",".join(hardware.DEFAULT_HARDWARE), help="comma-separated")
     parser.add_argument("--out", help="directory for plan.json / plan.png (default plans/<config>)")
     ns, cfg = cli.parse(parser, argv)
     from hetjax.compile import plan
-    devices = cli.device_count(cfg, ns.devices)
     texts = [m for arg in ns.mesh for m in arg.split(";") if m.strip()]
+    devices = plan.mesh_devices(texts) if texts and ns.devices is None else cli.device_count(cfg, ns.devices)
     meshes = [plan.parse_mesh(t, devices) for t in texts] or [cfg.mesh]
     if len(meshes) > 1:  # before compiling anything: a sweep ends with its plot
         cli_lib.need("matplotlib", "plot", "python -m hetjax.plan's sweep (plan.png)")

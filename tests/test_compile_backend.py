@@ -185,3 +185,33 @@ def test_cudnn_attention_refuses_heads_it_cannot_take_before_anything_compiles()
             backend.check_attention(model(attention_impl="cudnn", dtype="bfloat16", head_dim=head_dim), "cuda")
     for head_dim in (16, 64, 256):
         backend.check_attention(model(attention_impl="cudnn", dtype="bfloat16", head_dim=head_dim), "cuda")
+
+
+def test_a_platform_jax_would_not_start_on_is_refused(monkeypatch):
+    """config.compile.platform=rocm on a CPU machine printed the ROCm profile and its flags,
+    then ran on CPU under them. Told from files and JAX_PLATFORMS: `start` precedes
+    jax.distributed.initialize, so it may not start a backend to ask."""
+    rocm, cuda, cpu = (CompileConfig(platform=p) for p in ("rocm", "cuda", "cpu"))
+    monkeypatch.setattr(backend, "installed_plugins", lambda: {"cuda": "jax-cuda12-plugin is installed"})
+    monkeypatch.setattr(backend, "_DEVICE_NODES", {"cuda": ("/nonexistent/nvidia0",), "rocm": ("/dev/kfd",)})
+    with pytest.raises(ConfigError, match=r"config.compile.platform='rocm', but no jax plugin for rocm is installed, "
+                                          r"so jax would start on another platform under the rocm profile"):
+        backend.check_startable(rocm, "rocm", {})
+    with pytest.raises(ConfigError, match=r"'cuda', but no cuda device \(/nonexistent/nvidia0\) exists"):
+        backend.check_startable(cuda, "cuda", {})
+    with pytest.raises(ConfigError, match=r"'rocm', but JAX_PLATFORMS=cpu, so jax would start on cpu .*"
+                                          r"--config.compile.platform=auto"):
+        backend.check_startable(rocm, "rocm", {"JAX_PLATFORMS": "cpu"})
+    with pytest.raises(ConfigError, match=r"'cpu', but JAX_PLATFORMS=gpu"):
+        backend.check_startable(cpu, "cpu", {"JAX_PLATFORMS": "gpu"})
+    # What sets them apart on purpose agrees, or cannot be told: CPU stand-ins (cpu with
+    # JAX_PLATFORMS=cpu), virtual islands (cpu; JAX_PLATFORMS comes after `start`), island
+    # processes (their platform in JAX_PLATFORMS: jax itself refuses one it lacks), auto.
+    for compile_cfg, platform, environ in ((cpu, "cpu", {"JAX_PLATFORMS": "cpu"}), (cpu, "cpu", {}),
+                                           (rocm, "rocm", {"JAX_PLATFORMS": "rocm"}),
+                                           (rocm, "rocm", {"JAX_PLATFORMS": "gpu,cpu"}), (CompileConfig(), "rocm", {})):
+        backend.check_startable(compile_cfg, platform, environ)
+    # `start` checks it once the profile is resolved (after a cuDNN refusal, which names more).
+    monkeypatch.setattr(backend, "setup", lambda c: backend.Applied(profiles.get(c.platform), "", ()))
+    with pytest.raises(ConfigError, match=r"config.compile.platform='rocm', but"):
+        backend.start(dataclasses.replace(Config(), compile=dataclasses.replace(rocm, cache=False)))

@@ -16,7 +16,7 @@ import pytest
 from hetjax import data, program, step
 from hetjax.compile import cli, export
 from hetjax.compile.__main__ import main as compile_main
-from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig
+from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, to_dict
 from hetjax.mesh import make_mesh
 from hetjax.optim import learning_rate_schedule
 
@@ -101,6 +101,32 @@ def test_loading_refuses_other_meshes_jax_versions_configs_and_corruption(tmp_pa
     with pytest.raises(export.ArtifactMismatch, match=r"config\.optim\.learning_rate"):
         export.load(tmp_path, changed, mesh)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
+    # What the program does not depend on may change (it was refused): paths, logging,
+    # checkpoints, the seed, the cache, and a config.mesh that resolves to the same mesh.
+    same = dataclasses.replace(CFG, run_dir="runs/other", log_every=5, seed=7, mesh=MeshConfig(data=2, fsdp=-1),
+                               checkpoint=dataclasses.replace(CFG.checkpoint, every=3),
+                               compile=dataclasses.replace(CFG.compile, cache=False))
+    export.check(manifest, same, make_mesh(same.mesh))
+    # config.steps ends the learning rate's cosine unless config.optim.decay_steps does.
+    with pytest.raises(export.ArtifactMismatch, match=r"fields that differ: config\.steps\)"):
+        export.check(manifest, dataclasses.replace(CFG, steps=4), mesh)
+    decayed = dataclasses.replace(CFG, optim=dataclasses.replace(CFG.optim, decay_steps=3))
+    assert export.program_fields(to_dict(decayed)) == export.program_fields(to_dict(
+        dataclasses.replace(decayed, steps=4)))
+    (tmp_path / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "functions"}))
+    with pytest.raises(export.ArtifactMismatch, match=r"manifest has no functions entry; export again"):
+        export.load(tmp_path, CFG, mesh)
+    (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "functions": {
+        "train_step": manifest["functions"]["train_step"]}}))
+    with pytest.raises(export.ArtifactMismatch, match=r"manifest has no functions\.eval_step entry"):
+        export.load(tmp_path, CFG, mesh)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    eval_blob = (tmp_path / "eval_step.jax").read_bytes()
+    (tmp_path / "eval_step.jax").unlink()
+    with pytest.raises(export.ArtifactMismatch, match=r"eval_step\.jax: the manifest lists it for eval_step, but "
+                                                      r"it cannot be read .*export again"):
+        export.load(tmp_path, CFG, mesh)
+    (tmp_path / "eval_step.jax").write_bytes(eval_blob)
     (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "jax_version": "0.9.0"}))
     with pytest.raises(export.ArtifactMismatch, match=r"jax 0\.9\.0, but this is jax"):
         export.load(tmp_path, CFG, mesh)
@@ -129,6 +155,8 @@ def test_command_line_bad_input(tmp_path, capsys):
     assert cli.run(compile_main, ["--config", "tiny_hetero", "--out", str(tmp_path), "--platforms", "cuda,rocm",
                                   "--devices", "4"]) == 2
     assert "config.hetero.islands (cuda, rocm): python -m hetjax.compile works on one mesh" in capsys.readouterr().err
+    assert run("--platforms", "cuda,rocm,cuda", "--devices", "8") == 2  # a typo for a platform left out?
+    assert "--platforms=cuda,rocm,cuda names cuda twice; give each platform once" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before anything was written
     assert run("--platforms", "cuda,rocm", "--devices", "8", "--config.model.num_layers=1") == 0
     assert "train_step of tiny for cuda,rocm" in capsys.readouterr().out

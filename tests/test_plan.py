@@ -54,6 +54,7 @@ def test_tiny_plan_matches_analytic_counts(mesh_cfg):
     h100 = r["hardware"]["H100"]
     assert h100["step_s"] == pytest.approx(max(h100["compute_s"], h100["memory_s"]) + h100["collective_s"])
     assert h100["mfu"] == pytest.approx(r["model_flops"] / h100["step_s"] / 989e12)
+    assert h100["fits"] and r["estimate_bytes"] > r["parameter_bytes"] and r["memory_fraction"] == 0.9
 
 
 def test_one_device_moves_no_collective_bytes():
@@ -121,13 +122,33 @@ def test_bad_input_names_the_flag(capsys):
     assert "config.model.num_heads=4 does not split over config.mesh.tensor=8" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"names fsdp twice"):
         plan.parse_mesh("fsdp=4,fsdp=2", 2)
+    # Without --devices, meshes that name every size give the count (they used to be refused).
+    assert plan.mesh_devices(["fsdp=4", "data=2,fsdp=2"]) == 4
+    with pytest.raises(ConfigError, match=r"different device counts \('fsdp=4' has 4, 'fsdp=8' has 8\).*--devices N"):
+        plan.mesh_devices(["fsdp=4", "fsdp=8"])
+
+
+def test_fits_means_the_trainer_would_start_it_too():
+    """`fits` compared only XLA's peak with all of the memory; hetjax.train compares its
+    analytic estimate with config.memory_fraction of it, and refused layouts planned to fit."""
+    hw = hardware.get("H100")
+    report = {"flops": 1e12, "matmul_bytes": 1e9, "collective_bytes": 1e9, "model_flops": 1e12,
+              "peak_bytes": 0.5 * hw.memory_bytes, "estimate_bytes": 0.95 * hw.memory_bytes, "memory_fraction": 0.9}
+    e = plan.estimate_step(report, hw)
+    assert (e["fits"], e["fits_peak"], e["fits_estimate"]) == (False, True, False)
+    assert plan.fits_text(e) == "no (est)"
+    e = plan.estimate_step({**report, "peak_bytes": 1.1 * hw.memory_bytes}, hw)
+    assert plan.fits_text(e) == "no (peak,est)"
+    e = plan.estimate_step({**report, "estimate_bytes": 0.85 * hw.memory_bytes}, hw)
+    assert e["fits"] and plan.fits_text(e) == "yes"
 
 
 def test_the_planner_refuses_what_the_trainer_refuses_before_compiling(tmp_path, capsys, monkeypatch):
     """It used to print `fits yes` for meshes that `hetjax.train` then refused."""
     monkeypatch.setattr(plan, "plan", lambda *a: pytest.fail("compiled a mesh the trainer refuses"))
     common = ["--config", "tiny", "--devices", "8", "--out", str(tmp_path / "out")]
-    assert run(plan_main, [*common, "--mesh", "fsdp=8;pipeline=2,fsdp=4",
+    # No --devices: the meshes give 8 (tiny's config.mesh has fsdp=-1, which gives none).
+    assert run(plan_main, ["--config", "tiny", "--out", str(tmp_path / "out"), "--mesh", "fsdp=8;pipeline=2,fsdp=4",
                            "--config.optim.grad_accum_steps=2"]) == 2
     assert "config.optim.grad_accum_steps=2 with config.mesh.pipeline=2" in capsys.readouterr().err
     assert run(plan_main, [*common, "--mesh", "pipeline=8", "--config.model.num_layers=8",

@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     ns, cfg = cli.parse(parser, argv)
     cli_lib.need("flatbuffers", "export", "python -m hetjax.compile (jax.export's serialization)")
     from hetjax.compile import profiles
-    platforms = [profiles.check_platform(p.strip(), "--platforms") for p in ns.platforms.split(",")]
+    platforms = profiles.check_platforms([p.strip() for p in ns.platforms.split(",")], "--platforms")
     cli_lib.output_dir(ns.out, "--out")  # before compiling anything
     backend.virtual_cpu_devices(cli.device_count(cfg, ns.devices))
     from hetjax.compile import export

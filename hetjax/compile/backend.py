@@ -52,7 +52,8 @@ def installed_plugins() -> dict[str, str]:
 
 
 # Device nodes a platform's driver creates; their absence means no such GPU here.
-_DEVICE_NODES = {"cuda": ("/dev/nvidiactl", "/dev/nvidia0"), "rocm": ("/dev/kfd",)}
+# /dev/dxg: WSL2, where CUDA reaches the GPU through DirectX and no /dev/nvidia* exists.
+_DEVICE_NODES = {"cuda": ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg"), "rocm": ("/dev/kfd",)}
 
 
 def unavailable(platform: str, plugins: dict[str, str] | None = None) -> str | None:
@@ -200,11 +201,37 @@ def start(cfg) -> str:
     check_attention(cfg.model, resolve(cfg.compile)[0].platform)  # before XLA's flags are set
     applied = setup(cfg.compile)
     check_started_attention(cfg.model, applied.profile.name)
+    check_startable(cfg.compile, applied.profile.platform)
     line = applied.describe()
     if cfg.compile.cache:
         path = cache.enable(cache.directory(cfg.compile.cache_dir, cfg.run_dir, applied.profile.platform))
         line += f"; compilation cache: {path}"
     return line
+
+
+def check_startable(compile_cfg: CompileConfig, platform: str, environ=None) -> None:
+    """Refuses config.compile.platform where jax would start on another platform, there to
+    run under this profile's flags and cache without a word.
+
+    From files and variables, starting no backend: `start` comes before
+    jax.distributed.initialize, which must precede any backend. What picks a platform on
+    purpose makes the two agree: CPU stand-ins (--stand_in, HETJAX_STAND_IN) set
+    platform=cpu with JAX_PLATFORMS=cpu, island processes their island's platform with its
+    JAX_PLATFORMS; export and the planner lower on CPU devices and never call `start`.
+    platform=cpu with JAX_PLATFORMS unset passes: virtual islands set it after `start`."""
+    if compile_cfg.platform == "auto":  # detection read JAX_PLATFORMS and the plugins already
+        return
+    environ = os.environ if environ is None else environ
+    first = next((p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()), "")
+    named = {"gpu": ("cuda", "rocm")}.get(first, (first,))
+    if first and platform not in named:
+        why, where = f"JAX_PLATFORMS={environ['JAX_PLATFORMS']}", first
+    else:
+        why, where = (None if first else unavailable(platform)), "another platform"
+    if why:
+        raise ConfigError(f"config.compile.platform={platform!r}, but {why}, so jax would start on {where} "
+                          f"under the {platform} profile's settings; run where {platform} starts, or set "
+                          f"--config.compile.platform=auto (or the platform jax starts on)")
 
 
 def check_started_attention(model, profile: str) -> None:

@@ -3,9 +3,9 @@
 One CPU machine lowers the steps for platforms it does not have (cuda, rocm, cpu,
 or several at once) on a mesh of virtual devices with the configured shardings.
 Each artifact is the serialized StableHLO of a step plus a manifest: jax version,
-platforms, mesh, every input and output (path, shape, dtype, sharding) and a hash
-of the config. `load` refuses an artifact built for another platform, mesh, jax
-version or config, before anything runs.
+platforms, mesh, every input and output (path, shape, dtype, sharding), the config
+and a hash of what of it the program depends on (`program_fields`). `load` refuses an
+artifact built for another platform, mesh, jax version or program, before anything runs.
 
 The exported functions take the state as a flat list of arrays: the pytree
 structure (TrainState of nnx.State) is rebuilt on load from the config, which the
@@ -35,8 +35,28 @@ MANIFEST = "manifest.json"
 STEPS = ("train_step", "eval_step")
 
 
-def config_hash(cfg) -> str:
-    return hashlib.sha256(json.dumps(config_lib.to_dict(cfg), sort_keys=True).encode()).hexdigest()
+# What the exported steps are a function of, as dotted config keys. Everything else may
+# change between export and load: run_dir, logging, data, checkpoints, W&B, and the seed
+# (the state is initialised outside the artifact). config.mesh is left out for the mesh
+# it resolves to, which the manifest records and `check` compares: fsdp=-1 and fsdp=4 on
+# 4 devices are one program. config.compile sets the flags XLA compiles the loaded
+# StableHLO with on the machine that loads it; it does not change the StableHLO, nor
+# does sharding.max_replicated_fraction (a check, not a layout).
+PROGRAM_FIELDS = ("model", "optim", "sharding.rules", "pipeline", "batch_size", "seq_len")
+
+
+def program_fields(config: dict) -> dict:
+    """The dotted config keys and values (as JSON has them) the exported program depends on."""
+    flat = _dotted(json.loads(json.dumps(config)))
+    kept = {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in PROGRAM_FIELDS)}
+    if not flat.get("optim.decay_steps"):  # 0: the learning rate's cosine ends at config.steps
+        kept["steps"] = flat.get("steps")
+    return kept
+
+
+def config_hash(cfg, mesh) -> str:
+    key = {"config": program_fields(config_lib.to_dict(cfg)), "mesh": _mesh_record(mesh)}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
 def _mesh_record(mesh) -> dict:
@@ -87,14 +107,14 @@ def _io_records(exported, in_paths, mesh) -> tuple[list, list]:
 
 def export(cfg, mesh, platforms, out_dir) -> dict:
     """Lowers the train and eval steps for `platforms` and writes them with a manifest."""
-    platforms = tuple(profiles.check_platform(p, "--platforms") for p in platforms)
+    platforms = profiles.check_platforms(platforms, "--platforms")
     prog = program.build(cfg, mesh)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # an export cut short leaves no manifest, so no artifact
     manifest = {"format": FORMAT, "jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__,
                 "platforms": list(platforms), "mesh": _mesh_record(mesh), "config_name": cfg.name,
-                "config_hash": config_hash(cfg), "config": config_lib.to_dict(cfg), "functions": {}}
+                "config_hash": config_hash(cfg, mesh), "config": config_lib.to_dict(cfg), "functions": {}}
     for name, (jitted, args, in_paths) in _flat_functions(prog).items():
         exported = jax_export.export(jitted, platforms=platforms)(*args)
         blob = exported.serialize()
@@ -120,11 +140,22 @@ def read_manifest(out_dir) -> dict:
         raise ArtifactMismatch(f"{path}: not a manifest (no JSON object); export again with python -m hetjax.compile")
     if manifest.get("format") != FORMAT:
         raise ArtifactMismatch(f"{path}: manifest format {manifest.get('format')}, this hetjax reads {FORMAT}")
+    # A manifest edited or written by hand: named here rather than as a KeyError in `load`.
+    missing = [k for k in ("jax_version", "platforms", "mesh", "config", "functions") if k not in manifest]
+    if not missing:
+        functions = manifest["functions"]
+        missing = [f"functions.{name}" for name in STEPS
+                   if not isinstance(functions, dict) or not isinstance(functions.get(name), dict)
+                   or not {"file", "sha256"} <= functions[name].keys()]
+    if missing:
+        raise ArtifactMismatch(f"{path}: the manifest has no {', '.join(missing)} entry; "
+                               f"export again with python -m hetjax.compile")
     return manifest
 
 
 def check(manifest: dict, cfg, mesh, platform: str | None = None) -> None:
-    """Raises ArtifactMismatch unless the artifact fits this jax, platform, mesh and config."""
+    """Raises ArtifactMismatch unless the artifact fits this jax, platform, mesh and the
+    config's `program_fields`."""
     platform = platform or jax.export.default_export_platform()  # cuda or rocm, where default_backend() says gpu
     again = "re-export with python -m hetjax.compile for this setup"
     if manifest["jax_version"] != jax.__version__:
@@ -140,11 +171,14 @@ def check(manifest: dict, cfg, mesh, platform: str | None = None) -> None:
         raise ArtifactMismatch(
             f"artifact exported for mesh {fmt(manifest['mesh'])}, but config.mesh gives "
             f"{fmt(_mesh_record(mesh))}; {again}")
-    if manifest["config_hash"] != config_hash(cfg):
-        theirs, ours = _dotted(manifest["config"]), _dotted(json.loads(json.dumps(config_lib.to_dict(cfg))))
-        diff = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+    # Compared field by field from the manifest's whole config rather than by the stored
+    # hash, so that the refusal names the fields and older manifests (whose hash covered
+    # the whole config) still load where only logging or paths changed.
+    theirs, ours = program_fields(manifest["config"]), program_fields(config_lib.to_dict(cfg))
+    diff = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+    if diff:
         raise ArtifactMismatch(
-            f"artifact exported from a different config (config {manifest['config_name']!r}; fields "
+            f"artifact exported from a different config (config {manifest.get('config_name')!r}; fields "
             f"that differ: {', '.join('config.' + k for k in diff)}); {again}")
 
 
@@ -173,7 +207,11 @@ def load(out_dir, cfg, mesh, platform: str | None = None) -> Loaded:
     exported = {}
     for name in STEPS:
         record = manifest["functions"][name]
-        blob = (out / record["file"]).read_bytes()
+        try:
+            blob = (out / record["file"]).read_bytes()
+        except OSError as e:
+            raise ArtifactMismatch(f"{out / record['file']}: the manifest lists it for {name}, but it cannot be "
+                                   f"read ({e.strerror or e}); export again with python -m hetjax.compile") from None
         if hashlib.sha256(blob).hexdigest() != record["sha256"]:
             raise ArtifactMismatch(f"{out / record['file']}: contents do not match the manifest's sha256")
         exported[name] = jax_export.deserialize(bytearray(blob))

@@ -10,6 +10,7 @@ when the interconnect figure holds, i.e. within one node.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -22,8 +23,9 @@ from hetjax.mesh import MESH_AXES, MeshConfig
 DEFAULT_HARDWARE = hardware.DEFAULT_HARDWARE
 
 
-def parse_mesh(text: str, devices: int, flag: str = "--mesh") -> MeshConfig:
-    """'data=2,fsdp=8,tensor=4' -> MeshConfig (unnamed axes are 1), checked against `devices`."""
+def parse_mesh(text: str, devices: int | None, flag: str = "--mesh") -> MeshConfig:
+    """'data=2,fsdp=8,tensor=4' -> MeshConfig (unnamed axes are 1), checked against `devices`
+    unless None."""
     sizes = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         axis, eq, value = part.partition("=")
@@ -35,11 +37,22 @@ def parse_mesh(text: str, devices: int, flag: str = "--mesh") -> MeshConfig:
             raise ConfigError(f"{flag}={text!r} names {axis} twice: give each axis once")
         sizes[axis] = int(value)
     sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
-    if math.prod(sizes.values()) != devices:
+    if devices is not None and math.prod(sizes.values()) != devices:
         raise ConfigError(
             f"{flag}={text!r} has {math.prod(sizes.values())} devices but --devices={devices}; "
             f"make the sizes multiply to {devices}")
     return MeshConfig(**sizes)
+
+
+def mesh_devices(texts: list[str], flag: str = "--mesh") -> int:
+    """The device count the meshes `texts` name: each gives every axis a size (unnamed
+    ones are 1), so --devices may be left out when they agree."""
+    counts = {t: math.prod(dataclasses.astuple(parse_mesh(t, None, flag))) for t in texts}
+    if len(set(counts.values())) > 1:
+        named = ", ".join(f"{t!r} has {n}" for t, n in counts.items())
+        raise ConfigError(f"{flag}: the meshes name different device counts ({named}); a sweep plans one "
+                          f"device count: give meshes of one size, with --devices N")
+    return next(iter(counts.values()))
 
 
 def state_bytes(abstract_tree, shardings) -> float:
@@ -55,9 +68,21 @@ def estimate_step(report: dict, hw: hardware.Hardware) -> dict:
     mem = report["matmul_bytes"] / hw.hbm_bandwidth
     comm = report["collective_bytes"] / hw.interconnect_bandwidth
     step_time = max(compute, mem) + comm
+    # Both must hold: XLA's peak within the device's memory, and the trainer's own check
+    # (hetjax.memory.check_fits: its analytic estimate within config.memory_fraction of the
+    # memory), which refuses a run before it compiles; a plan must not recommend what
+    # hetjax.train refuses.
+    fits_peak = report["peak_bytes"] <= hw.memory_bytes
+    fits_estimate = report["estimate_bytes"] <= report["memory_fraction"] * hw.memory_bytes
     return {"compute_s": compute, "memory_s": mem, "collective_s": comm, "step_s": step_time,
             "mfu": report["model_flops"] / step_time / hw.peak_flops,
-            "fits": report["peak_bytes"] <= hw.memory_bytes}
+            "fits": fits_peak and fits_estimate, "fits_peak": fits_peak, "fits_estimate": fits_estimate}
+
+
+def fits_text(e: dict) -> str:
+    """'yes', or 'no' and which test failed: XLA's peak, the trainer's estimate, or both."""
+    failed = [name for name, key in (("peak", "fits_peak"), ("est", "fits_estimate")) if not e[key]]
+    return "yes" if not failed else f"no ({','.join(failed)})"
 
 
 def check_as_the_trainer_does(cfg, mesh) -> program.Program:
@@ -82,13 +107,16 @@ def plan(cfg, mesh, hardware_names=DEFAULT_HARDWARE, prog: program.Program | Non
     num_params = metrics.num_params(cfg.model)  # not prog.layouts: a pipeline's hold padding
     tokens = cfg.batch_size * cfg.seq_len
     params = state_bytes(prog.state.params, in_shardings.params)
+    est = memory.estimate(cfg, prog.layouts, mesh)
     report = {
         "config": cfg.name, "mesh": dict(mesh.shape), "devices": mesh.size,
         "num_params": num_params, "tokens_per_step": tokens,
         "parameter_bytes": params,
         "optimizer_bytes": state_bytes(prog.state.opt_state, in_shardings.opt_state),
         "gradient_bytes": params,  # one gradient per parameter, same dtype and layout
-        "activation_bytes": memory.estimate(cfg, prog.layouts, mesh).activations,  # analytic
+        "activation_bytes": est.activations,  # analytic
+        "estimate_bytes": est.total,  # what hetjax.train's memory check compares, analytic
+        "memory_fraction": cfg.memory_fraction,
         "temp_bytes": compiler["temp_bytes"],  # compiler: activations, gradients, scratch
         "peak_bytes": compiler["peak_bytes"],
         "flops": counted["flops"],
@@ -106,7 +134,7 @@ def table(reports: list[dict]) -> str:
     gib = memory.GiB
     head = (f"{'mesh':<28} {'params':>7} {'optim':>7} {'activ':>7} {'temp':>7} {'peak':>7} "
             f"{'TFLOP':>8} {'AG GB':>7} {'RS GB':>7} {'AR GB':>7} {'A2A GB':>7} {'CP GB':>7} "
-            f"{'hw':>7} {'step s':>8} {'MFU':>6} {'fits':>4}")
+            f"{'hw':>7} {'step s':>8} {'MFU':>6} {'fits':>13}")
     lines = [head, "-" * len(head)]
     for r in reports:
         mesh = ",".join(f"{a}={n}" for a, n in r["mesh"].items() if n > 1) or "1 device"
@@ -116,9 +144,11 @@ def table(reports: list[dict]) -> str:
             + f" {r['flops'] / 1e12:8.1f} " + " ".join(f"{c[k]['bytes'] / 1e9:7.2f}" for k in hlo.COLLECTIVES))
         for i, (name, e) in enumerate(r["hardware"].items()):
             lines.append((left if i == 0 else " " * len(left))
-                         + f" {name:>7} {e['step_s']:8.3f} {e['mfu']:6.1%} {'yes' if e['fits'] else 'no':>4}")
+                         + f" {name:>7} {e['step_s']:8.3f} {e['mfu']:6.1%} {fits_text(e):>13}")
     lines.append("per device, GiB / TFLOP / GB per step; activations analytic, temp and peak from the "
-                 "compiler (CPU); step = max(compute, HBM) + collectives, no overlap")
+                 "compiler (CPU); step = max(compute, HBM) + collectives, no overlap; fits: the "
+                 "compiled peak within the memory and the trainer's estimate (hetjax.memory) within "
+                 f"config.memory_fraction={reports[0]['memory_fraction']} of it")
     return "\n".join(lines)
 
 

@@ -116,6 +116,16 @@ def check_platform(platform: str, field: str = "platform") -> str:
     return platform
 
 
+def check_platforms(platforms, field: str = "--platforms") -> tuple[str, ...]:
+    """check_platform for each, refusing one named twice: likely a typo for one left out
+    (cuda,cuda for cuda,rocm), which dropping the repeat would hide."""
+    platforms = tuple(check_platform(p, field) for p in platforms)
+    if twice := sorted({p for p in platforms if platforms.count(p) > 1}):
+        raise ConfigError(f"{field}={','.join(platforms)} names {', '.join(twice)} twice; give each "
+                              f"platform once (e.g. {field}={','.join(dict.fromkeys(platforms))})")
+    return platforms
+
+
 def get(platform: str, deterministic: bool = False) -> Profile:
     """The profile of `platform` (cpu, cuda or rocm), or its deterministic variant."""
     base = _BASE[check_platform(platform)]
