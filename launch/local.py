@@ -8,6 +8,8 @@
 With --processes N, a config without islands runs as one jax.distributed world of N
 processes over one mesh (each process holds mesh devices / N of it; N virtual devices in
 all when the mesh has a -1 axis), as `srun -n N` runs it (launch/slurm/mesh.sbatch).
+--backend sets every link's backend (config.hetero.link and each of config.hetero.links);
+without it, a `local` link runs as `host` (processes cannot share one).
 
 Every process of every island runs `python -m hetjax.train` (or --module's) with its
 own environment: its island and rank, every process's host (all this machine) and the
@@ -41,13 +43,15 @@ from hetjax import cli as cli_lib  # `cli` below is the console entry point
 from hetjax import config as config_lib, metrics
 from hetjax.compile import backend
 from hetjax.config import Config, ConfigError
-from hetjax.hetero import runtime, scheduler
+from hetjax.hetero import config as hetero_config, runtime, scheduler
 from hetjax.hetero.placement import proportional
+from hetjax.stop import PREEMPTED
 
 # On every process's path: the folder that holds the hetjax package (the repository in a
 # checkout; installed, this file is hetjax/launch/local.py and its parent's parent is hetjax).
 REPO = Path(config_lib.__file__).resolve().parent.parent
 KILL_GRACE_S = 10.0  # after SIGTERM, before SIGKILL
+STOPPED = (0, PREEMPTED, -signal.SIGTERM)  # a process on our SIGTERM: done, saved and exited, or killed
 MODULES = ("hetjax.train", "hetjax.hetero.linkcheck")  # what every process may run (--module)
 _VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}
 
@@ -164,12 +168,9 @@ def job_config(config: str, overrides: dict[str, str] | None, backend: str | Non
         raise ConfigError(f"--config={config!r} has no config.hetero.islands; launch.local starts "
                           f"multi-island jobs, or a one-mesh job over several processes with "
                           f"--processes N (run python -m hetjax.train for one process)")
-    if cfg.hetero.links and backend:
-        raise ConfigError(f"--backend={backend} sets config.hetero.link, but config.hetero.links sets "
-                          f"each link itself; set config.hetero.links[k].backend instead")
-    if not cfg.hetero.links and (backend or cfg.hetero.link.backend == "local"):
-        overrides["hetero.link.backend"] = backend or "host"  # processes cannot share 'local'
-        cfg = config_lib.override(cfg, "hetero.link.backend", overrides["hetero.link.backend"])
+    if backend or cfg.hetero.link.backend == "local":
+        overrides["hetero.link.backend"] = backend or "host"
+    cfg = dataclasses.replace(cfg, hetero=hetero_config.for_processes(cfg.hetero, backend))  # links: see run()
     config_lib.validate(cfg)
     return cfg, overrides
 
@@ -269,6 +270,9 @@ def run(config: str, overrides: dict[str, str] | None = None, *, stand_in: str =
     command = [sys.executable, "-m", "hetjax.train"] if command is None else list(command)
     logs = Path(cfg.run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    if cfg.hetero.links:  # no --config.KEY=VALUE reaches a LinkConfig in a tuple: a config file sets them
+        config = hetero_config.write_links_config(logs / "links_config.py", config_lib.find_config_file(config),
+                                                  cfg.hetero.links)
     shared = dict(os.environ, **secret_env(cfg), **{runtime.LAUNCHER_VARIABLE: str(os.getpid())})
     if processes is not None:
         shared[scheduler.NUM_PROCESSES] = str(processes)
@@ -357,6 +361,10 @@ def _supervise(procs: list[Process], timeout_s: float, stop: list, say) -> int:
                 say(f"island {p.settings.island} rank {p.settings.process_id} exited with "
                     f"{_status(code)}; the other processes get {timeout_s:g}s to stop")
                 deadline = time.monotonic() + timeout_s
+            elif stopping and failed is None and code not in STOPPED:
+                failed = (p, code)  # a failed save, a crash: not to be taken for a clean stop
+                say(f"island {p.settings.island} rank {p.settings.process_id} exited with {_status(code)} while "
+                    f"stopping (not 0, {PREEMPTED} or signal 15); its last checkpoint may be missing")
             elif stopping:
                 say(f"{p.settings.tag} stopped with {_status(code)}")
             elif failed is not None:
@@ -384,7 +392,9 @@ def _supervise(procs: list[Process], timeout_s: float, stop: list, say) -> int:
     look()
     if failed is not None:
         p, code = failed
-        return code if code > 0 else 128 - code
+        status = code if code > 0 else 128 - code
+        # After a stop signal, a failure must not read as the clean stop's 128 + signal.
+        return 1 if stop and status == 128 + stop[0] else status
     return 128 + stop[0] if stop else 0
 
 

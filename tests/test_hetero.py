@@ -196,6 +196,29 @@ def test_placement_splits_in_proportion_to_speed():
             assert parts is None or (sum(parts) == total and all(p % u == 0 and p > 0 for p, u in zip(parts, units)))
 
 
+def test_placement_takes_the_closest_split_when_the_greedy_one_is_merely_poor():
+    # The hand-out stopped once the rest (here 3 rows, then 7) was below the fast island's
+    # unit, and settled for a split that added up but was not the closest.
+    assert placement.proportional(16, [1, 2], units=[1, 4]) == (4, 12)  # was (8, 8); ideal 5.3 + 10.7
+    assert placement.proportional(39, [3, 1, 3], units=[8, 8, 1]) == (16, 8, 15)  # was (8, 8, 23)
+    # Equally close splits keep the hand-out's (the shipped configs' splits stay as they were).
+    assert placement.proportional(5, [1, 1]) == (3, 2)  # not the search's first, (2, 3)
+
+
+@pytest.mark.parametrize("hetero, where", [
+    ({"link": LinkConfig(backend="host", nic_addresses=("10.0.0.1", "10.0.1.1"))}, "config.hetero.link"),
+    ({"links": (LinkConfig(backend="host", nic_addresses=("10.0.0.1",)),)}, "config.hetero.links\\[0\\]"),
+])
+def test_nic_addresses_are_refused_for_islands_in_processes(hetero, where):
+    """Peers dial the address a process's host name resolves to, never its NICs: an island
+    listening on its NICs alone was reported lost (IslandLost ... Connection refused)."""
+    with pytest.raises(ConfigError, match=f"{where}.nic_addresses=\\(.*\\) with config.hetero.virtual=False: "
+                                          f".*leave {where}.nic_addresses unset for islands"):
+        validate(tiny_islands(virtual=False, **hetero))
+    validate(tiny_islands(virtual=False, link=LinkConfig(backend="host")))
+    validate(tiny_islands(link=LinkConfig(backend="local", nic_addresses=("10.0.0.1",))))  # virtual: not used
+
+
 def tiny_islands(overrides=(), **hetero):
     cfg = load("tiny.py", dict(overrides))
     islands = (IslandConfig(name="a", devices_per_process=2, mesh=MeshConfig(fsdp=2)),

@@ -86,6 +86,34 @@ def test_link_addresses_leave_room_for_every_link(tmp_path):
     assert (host, port - 2) == runtime.split_address(s.transfer["b"][0])
 
 
+LINKS = CONFIG.replace("ModelConfig\n", "ModelConfig, LinkConfig\n").replace(
+    "timeout_s=1.0))", "timeout_s=1.0, links=(LinkConfig(backend='local', streams=4),)))")
+# A process's view of its config: loaded and checked as hetjax.train does.
+LINKS_SEEN = textwrap.dedent("""
+    import sys
+    from hetjax import cli, config
+    args = cli.parse_command_line(sys.argv[1:])
+    cfg = config.load(args.config, args.overrides)
+    config.validate(cfg)
+    print("links", [(link.backend, link.streams) for link in cfg.hetero.links], flush=True)
+""")
+
+
+def test_per_pair_links_of_virtual_islands_run_as_processes(tmp_path):
+    """config.hetero.links' `local` entries were left as they were, so every process refused
+    them (`links[0].backend='local' with virtual=False`), and --backend was refused."""
+    path = tmp_path / "links.py"
+    path.write_text(LINKS.format(run_dir=str(tmp_path / "run")))
+    cfg, _ = local.job_config(str(path), {}, None)
+    assert [(link.backend, link.streams) for link in cfg.hetero.links] == [("host", 4)]
+    cfg, _ = local.job_config(str(path), {}, "direct")  # --backend sets every link
+    assert (cfg.hetero.link.backend, cfg.hetero.links[0].backend) == ("direct", "direct")
+    out = io.StringIO()
+    code = local.run(str(path), stand_in="cpu", command=[sys.executable, "-c", LINKS_SEEN], out=out)
+    assert code == 0, out.getvalue()
+    assert "[b:0] links [('host', 4)]" in out.getvalue().splitlines(), out.getvalue()
+
+
 @pytest.mark.parametrize("change, names", [
     ({scheduler.ISLAND: "z"}, ["HETJAX_ISLAND", "'z'", "a, b"]),
     ({scheduler.PROCESS_ID: "2"}, ["HETJAX_PROCESS_ID", "'2'", "0..1"]),
@@ -230,6 +258,10 @@ ORPHANS = textwrap.dedent("""
     if os.environ.get("IGNORE_TERM"):
         import signal
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    codes = dict(x.split("=") for x in os.environ.get("TERM_EXIT", "").split(",") if x)
+    if s.tag in codes:  # how this process ends on SIGTERM (143: saved, as hetjax.train; 1: its save failed)
+        import signal
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(int(codes[s.tag])))
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     print("grandchild", child.pid, flush=True)
     for i in range(int(os.environ.get("LINES", "0"))):
@@ -292,6 +324,27 @@ def test_a_closed_terminal_stops_the_job_and_a_second_signal_kills_it(cfg_path, 
     """SIGHUP (a closed ssh session) stops the job as SIGTERM does; a second signal does not
     wait for processes that ignore SIGTERM to time out."""
     monkeypatch.setenv("IGNORE_TERM", ignore)
+    t0 = time.monotonic()
+    status, text = _stopped_job(cfg_path, signals)
+    assert status == 128 + signals[0], text
+    assert time.monotonic() - t0 < 40, text  # not the 60 s the processes would be given
+    assert f"got signal {signals[0]}: stopping the job" in text
+    time.sleep(0.2)
+    assert not [pid for pid in _grandchildren(text) if _alive(pid)], text
+
+
+def test_a_process_that_fails_while_the_job_stops_is_not_a_clean_stop(cfg_path, monkeypatch):
+    """A process that exits 1 on SIGTERM (its checkpoint failed to save) made the launcher
+    return 143 as for a clean preemption; it is a failure, named, with its own status."""
+    monkeypatch.setenv("TERM_EXIT", "a:0=143,a:1=1")  # b:0 is killed by the SIGTERM itself
+    status, text = _stopped_job(cfg_path, (signal.SIGTERM,))
+    assert status == 1, text
+    assert "[launch] island a rank 1 exited with 1 while stopping" in text
+    assert "a:0 stopped with 143" in text and "b:0 stopped with signal 15" in text, text
+
+
+def _stopped_job(cfg_path, signals):
+    """(status, output) of a job of QUIET_ORPHANS sent `signals` once every process runs."""
     out = io.StringIO()
     started, seen = threading.Event(), set()
 
@@ -309,16 +362,10 @@ def test_a_closed_terminal_stops_the_job_and_a_second_signal_kills_it(cfg_path, 
 
     sender = threading.Thread(target=send)
     sender.start()
-    t0 = time.monotonic()
     status = local.run(cfg_path, stand_in="cpu", timeout_s=60.0, command=[sys.executable, "-c", QUIET_ORPHANS],
                        out=out, on_line=hook)
     sender.join()
-    text = out.getvalue()
-    assert status == 128 + signals[0], text
-    assert time.monotonic() - t0 < 40, text  # not the 60 s the processes would be given
-    assert f"got signal {signals[0]}: stopping the job" in text
-    time.sleep(0.2)
-    assert not [pid for pid in _grandchildren(text) if _alive(pid)], text
+    return status, out.getvalue()
 
 
 # A process that follows its launcher as hetjax.train does, then waits.

@@ -106,3 +106,40 @@ def test_a_config_without_islands_is_refused_before_anything_starts():
         linkcheck.main(["--config", "configs/tiny.py", "--mib", "1"])
     with pytest.raises(ConfigError, match="--mib='0'"):
         linkcheck.main(["--config", "configs/tiny.py", "--mib", "0"])
+
+
+class _Handle:
+    """A transfer's handle, done: its value, or the error its wait raises."""
+    first_byte, describe = None, "linkcheck"
+
+    def __init__(self, value=None, error=None):
+        self.value, self.error = value, error
+
+    def wait(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def test_the_check_waits_on_its_send_as_a_send(monkeypatch):
+    """exchange waited on its send as on a receive: a failed send was named as the peer's
+    link to us, and a send's wait was counted as the peer's (wait_peer)."""
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    from hetjax.hetero.links import Links
+    from hetjax.hetero.timeline import Timeline
+    from hetjax.transfer import TransferError
+
+    monkeypatch.setattr(linkcheck, "geometry", lambda cfg, j: SimpleNamespace(layout=lambda spec: None))
+    links = object.__new__(Links)  # island a of a and b, without endpoints
+    links.cfg, links.k, links.n, links.names, links.timeline = None, 0, 2, ["a", "b"], Timeline("a", 0)
+    x = jnp.zeros(4, jnp.uint32)
+    links.recv = lambda j, what, like, layouts: _Handle(x)
+    links.send = lambda j, tree, what, layouts: _Handle()
+    linkcheck.exchange(links, 1, x, "ok")
+    assert set(links.timeline.seconds) == {"wait_sends", "wait_peer"}  # ours, then theirs
+    links.send = lambda j, tree, what, layouts: _Handle(error=TransferError("connection reset"))
+    with pytest.raises(TransferError, match="link from island a to island b: connection reset"):
+        linkcheck.exchange(links, 1, x, "failed")

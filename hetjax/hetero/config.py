@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 from hetjax.checkpoint_config import CORRUPT_DIR
 from hetjax.errors import ConfigError
@@ -175,6 +176,15 @@ def validate_hetero(cfg) -> None:
         if not h.virtual and link.backend == "local":
             raise ConfigError(f"{where}.backend='local' with config.hetero.virtual=False: islands in "
                               f"separate processes need 'host' or 'direct'")
+        if not h.virtual and link.nic_addresses:
+            # A process's peers dial the address its host's name resolves to (HETJAX_HOSTS, the
+            # SLURM node, the pod), never its own list of NICs, which they cannot know: an
+            # endpoint listening on the NICs alone is unreachable, and a live peer looks lost.
+            raise ConfigError(f"{where}.nic_addresses={link.nic_addresses!r} with config.hetero.virtual=False: "
+                              f"islands find each other's transfer addresses by host name, not by NIC, so "
+                              f"the link would listen where no peer dials; leave {where}.nic_addresses unset "
+                              f"for islands (NIC striping is for the transfer primitive and "
+                              f"hetjax.transfer.probe, whose peers are given explicitly)")
     # links has n - 1 entries (above): with 2 islands the one pair is a neighbour's.
     if h.placement == "data" and n > 2 and h.links and set(h.links) != {h.link}:
         raise ConfigError("config.hetero.links: with placement='data' every island talks to every "
@@ -192,3 +202,26 @@ def validate_hetero(cfg) -> None:
                           f"so that a step every island finished survives one island dying mid-save")
     if not h.timeout_s > 0:
         raise ConfigError(f"config.hetero.timeout_s={h.timeout_s}: must be positive (seconds)")
+
+
+def for_processes(h: HeteroConfig, backend: str | None = None) -> HeteroConfig:
+    """h with its links as separate processes run them: every one (link and each of links)
+    on `backend` when given, else a `local` one on `host` (processes cannot share one)."""
+    def one(link):
+        if not isinstance(link, LinkConfig):  # validate_hetero names it
+            return link
+        return dataclasses.replace(link, backend=backend or ("host" if link.backend == "local" else link.backend))
+    return dataclasses.replace(h, link=one(h.link), links=tuple(one(link) for link in h.links))
+
+
+def write_links_config(path, original, links: tuple) -> str:
+    """Writes at `path` a config file: the one at `original` with these links' backends (what
+    launch.local gives its processes: no --config.KEY=VALUE reaches a LinkConfig in a tuple)."""
+    backends, original = tuple(link.backend for link in links), str(Path(original).resolve())
+    Path(path).write_text(
+        f'"""Written by launch.local: {original} with the backends of the links its processes use."""\n\n'
+        f"import dataclasses\n\nfrom hetjax import config\n\n\ndef get_config():\n"
+        f"    cfg = config.load({original!r})\n"
+        f"    links = tuple(dataclasses.replace(link, backend=b) for link, b in zip(cfg.hetero.links, {backends!r}))\n"
+        f"    return dataclasses.replace(cfg, hetero=dataclasses.replace(cfg.hetero, links=links))\n")
+    return str(path)

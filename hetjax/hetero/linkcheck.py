@@ -68,7 +68,7 @@ def exchange(links: Links, j: int, x: jax.Array, what: str) -> tuple[jax.Array, 
     except IslandLost:
         links.raise_failed_sends([(j, sent)])  # e.g. the peer refused our secret
         raise
-    links.wait(sent, j)
+    links.wait(sent, j, sent=True)  # a failed send is our link to j, and its wait a send's
     jax.block_until_ready(got)
     return got, time.perf_counter() - t
 

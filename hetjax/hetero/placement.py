@@ -11,7 +11,8 @@ from hetjax.hetero.config import island_mesh_sizes
 
 def proportional(total: int, weights, units=None, what: str = "") -> tuple[int, ...]:
     """Splits `total` into integer parts near weights/sum(weights), part k a positive
-    multiple of units[k] (largest remainder first); ConfigError if none fits."""
+    multiple of units[k]: the closest such split (the least sum of |part - ideal|), and of
+    equally close ones the largest remainder's; ConfigError if none fits."""
     weights = np.asarray(weights, float)
     units = np.ones(len(weights), int) if units is None else np.asarray(units, int)
     ideal = total * weights / weights.sum()
@@ -29,8 +30,14 @@ def proportional(total: int, weights, units=None, what: str = "") -> tuple[int, 
             break
         k = max(fits, key=lambda k: ideal[k] - parts[k])
         parts[k] += units[k]
-    if parts.sum() != total:  # the greedy hand-out can miss a split that exists: search
-        parts = _closest_split(int(total), ideal, [int(u) for u in units])
+    # The hand-out stops once what is left is below the units that would take it, so it can
+    # miss a split that exists, or settle for a worse one than exists (16 rows at 1:2 in
+    # units of 1 and 4: 8 + 8, not 4 + 12): search for one strictly closer (ties keep the
+    # hand-out's, so the splits it found stay as they were).
+    cost = float(np.abs(parts - ideal).sum()) if parts.sum() == total else np.inf
+    closer = _closest_split(int(total), ideal, [int(u) for u in units], cost - 1e-9 * max(1.0, total))
+    if closer is not None or cost == np.inf:
+        parts = closer
     if parts is None:
         raise ConfigError(
             f"{what}: {total} cannot be split over the islands in positive multiples of "
@@ -38,17 +45,25 @@ def proportional(total: int, weights, units=None, what: str = "") -> tuple[int, 
     return tuple(int(p) for p in parts)
 
 
-def _closest_split(total: int, ideal, units: list[int]) -> list[int] | None:
+def _closest_split(total: int, ideal, units: list[int], below: float = np.inf) -> list[int] | None:
     """The split of `total` into positive multiples of `units` nearest `ideal` (the least
-    sum of |part - ideal|), or None if there is none: a search over the reachable sums."""
+    sum of |part - ideal|) if that sum is under `below`, else None (also when there is no
+    split): a search over the reachable sums."""
     best: dict[int, tuple[float, list[int]]] = {0: (0.0, [])}
     for k, u in enumerate(units):
         rest = sum(units[k + 1:])  # each later island still needs at least its unit
         step: dict[int, tuple[float, list[int]]] = {}
         for reached, (cost, parts) in best.items():
-            for part in range(u, total - reached - rest + 1, u):
+            high = total - reached - rest
+            if k == len(units) - 1:  # the last part is what is left: only it can reach `total`
+                low = high
+            else:  # a part further than `below` from its ideal cannot give a closer split
+                slack = below - cost
+                low = max(u, -(-int(np.floor(ideal[k] - slack)) // u) * u) if slack < np.inf else u
+                high = min(high, int(np.floor(ideal[k] + slack))) if slack < np.inf else high
+            for part in range(low, high + 1, u):
                 c = cost + abs(part - ideal[k])
-                if c < step.get(reached + part, (np.inf,))[0]:
+                if part % u == 0 and c < below and c < step.get(reached + part, (np.inf,))[0]:
                     step[reached + part] = (c, parts + [part])
         best = step
     return best[total][1] if total in best else None
