@@ -247,7 +247,7 @@ def _validate_run(cfg: Config) -> None:
     if cfg.fingerprint_every < 0:
         raise ConfigError(f"config.fingerprint_every={cfg.fingerprint_every}: use 0 (first and last "
                           f"step only) or a positive step count")
-    _validate_profile_steps(cfg.profile_steps, cfg.steps)
+    _validate_profile_steps(cfg.profile_steps, cfg.steps, cfg.data.start_step)
 
 
 def _validate_values(section, prefix: str = "config") -> None:
@@ -292,7 +292,7 @@ def _check_value(key: str, value, typ) -> None:
         raise ConfigError(f"{key}={value}: not finite; give a finite number")
 
 
-def _validate_profile_steps(text: str, steps: int) -> None:
+def _validate_profile_steps(text: str, steps: int, start_step: int = 0) -> None:
     if not text:
         return
     a, colon, b = text.partition(":")
@@ -302,3 +302,7 @@ def _validate_profile_steps(text: str, steps: int) -> None:
     if int(a) >= steps:
         raise ConfigError(f"config.profile_steps={text!r}: step {int(a)} is not below config.steps={steps}, "
                           f"so no step would be traced; pick A < {steps}")
+    if int(b) <= start_step:  # the run's first step is config.data.start_step
+        raise ConfigError(f"config.profile_steps={text!r}: its last step {int(b) - 1} is before "
+                          f"config.data.start_step={start_step}, the run's first step, so no step would be "
+                          f"traced; pick B > {start_step}")

@@ -32,15 +32,24 @@ def parse_window(text: str) -> tuple[int, int] | None:
 
 class Profiler:
     """Starts jax.profiler before step A (or the first step of a run resumed inside the
-    window) and stops it after step B-1, or at close, saying which steps it traced."""
+    window) and stops it after step B-1, or at close, saying which steps it traced; a run
+    resumed past the window says so at its first step."""
 
     def __init__(self, window: str, directory: Path, log=print):
         self.window = parse_window(window)
         self.directory, self.log, self.active = Path(directory), log, False
         self.traced: list[int] = []  # the steps dispatched while tracing
+        self.first: int | None = None  # the run's first step: the first `before` sees
 
     def before(self, step: int) -> bool:
         """Before step `step` is dispatched; True when the trace started now."""
+        if self.first is None:
+            self.first = step
+            # Validation refuses a window before config.data.start_step; a resumed run starts
+            # at its checkpoint, which only the loop knows, and would otherwise trace in silence.
+            if self.window and step >= self.window[1]:
+                self.log(f"no profile: config.profile_steps={self.window[0]}:{self.window[1]} ends before "
+                         f"step {step}, this run's first step (it resumed past the window), so nothing is traced")
         if self.window and not self.traced and not self.active and self.window[0] <= step < self.window[1]:
             self.directory.mkdir(parents=True, exist_ok=True)
             jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)

@@ -182,6 +182,11 @@ def test_the_tiny_hetero_config_trains_through_launch_local(tmp_path, capsys):
         assert want <= device, device
         assert any(e.get("ph") == "b" and e["name"].startswith("recv train5/") for e in mine)
     assert list((run_dir / "profile").rglob("*.xplane.pb"))  # jax.profiler's trace of the same steps
+    # ...whose annotations name the timeline's programs (they were unnamed jit calls).
+    import gzip
+    trace = next((run_dir / "profile").rglob("perfetto_trace.json.gz"))
+    names = {e.get("name") for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]}
+    assert {"F0", "B0", "apply"} <= names, sorted(n for n in names if n)[:40]
 
 
 def test_a_gpu_island_whose_process_finds_only_a_cpu_is_refused_by_name(tmp_path):

@@ -19,7 +19,7 @@ from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, load, va
 from hetjax.mesh import make_mesh
 from hetjax.optim import learning_rate_schedule
 from hetjax.pipeline.stages import make_layout, map_blocks, to_stages
-from hetjax.repro import check, compare, digest as fp, read
+from hetjax.repro import check, compare, digest as fp, platforms as platforms_lib, read
 from hetjax.repro.__main__ import main as repro_main
 
 CFG = Config(model=ModelConfig(vocab_size=64, num_layers=3, embed_dim=32, mlp_dim=64, num_heads=4,
@@ -192,6 +192,94 @@ def test_check_and_platforms_refuse_a_config_override_of_what_they_set(command, 
                        str(tmp_path / "out"), flag]) == 2
     err = capsys.readouterr().err
     assert f"{flag}: hetjax.repro {command[0]} sets it to" in err and "instead" in err, err
+
+
+def fake_run(run_dir, steps: int, params_at=(0,), mesh=None, **config):
+    """A fingerprints.jsonl as a finished run of `steps` steps writes it, without training:
+    every loss 1.0, the same batch and parameter digests."""
+    config = {"steps": steps, "name": "x", "profile_steps": "", "wandb": {"project": ""}, **config}
+    header = {"kind": "header", "step": 0, "platform": "cpu", "device_kind": "cpu", "jax": "0", "profile": "cpu",
+              "mesh": {"fsdp": 8} if mesh is None else mesh, "config": config}
+    rows = [header] + [{"kind": "step", "step": s, "loss": 1.0, "grad_norm": 1.0, "batch": "0" * 16}
+                       for s in range(steps)]
+    rows += [{"kind": "params", "step": s, "params": "1" * 16, "norms": {"w": 1.0}} for s in params_at]
+    run_dir.mkdir(parents=True)
+    (run_dir / "fingerprints.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def test_runs_that_both_finished_different_config_steps_are_void_for_that_reason(tmp_path):
+    """It said B 'stopped early (killed, diverged) or is still running' of a run that
+    finished the 5 steps its config asked for."""
+    r = compare.compare(fake_run(tmp_path / "a", 6), fake_run(tmp_path / "b", 5))
+    assert r.code == compare.VOID and "stopped early" not in r.void, r.void
+    assert r.void.startswith("config.steps differs: run A trains 6 steps, run B 5, and both finished"), r.void
+    assert r.config_diff == {"steps": (6, 5)}
+    rows = (tmp_path / "b" / "fingerprints.jsonl").read_text().splitlines()
+    (tmp_path / "c").mkdir()  # B's config trains 5 steps, but it was killed after 3
+    (tmp_path / "c" / "fingerprints.jsonl").write_text("\n".join(r for r in rows if '"step": 3' not in r
+                                                                  and '"step": 4' not in r) + "\n")
+    assert "run B ends at step 2 (its config trains 5)" in compare.compare(tmp_path / "b", tmp_path / "c").void
+
+
+def test_bookkeeping_fields_are_not_config_differences(tmp_path):
+    a = fake_run(tmp_path / "a", 3, name="a", profile_steps="1:2", wandb={"project": "p", "name": "a"})
+    r = compare.compare(a, fake_run(tmp_path / "b", 3))
+    assert r.config_diff == {} and r.identical, compare.describe(r)
+    assert compare.config_diff({"name": "a", "name_x": 1}, {"name": "b", "name_x": 2}) == {"name_x": (1, 2)}
+
+
+def test_an_islands_run_is_described_by_its_islands_not_as_one_device(tmp_path):
+    """An islands job records no one mesh (each island has its own): compare said 'mesh one device'."""
+    islands = [{"name": "cuda", "platform": "cuda", "mesh": {"pipeline": 1, "data": 1, "fsdp": 2, "tensor": 1}},
+               {"name": "rocm", "platform": "rocm", "mesh": {"pipeline": 1, "data": 1, "fsdp": 2, "tensor": 1}}]
+    a, b = fake_run(tmp_path / "a", 3), fake_run(tmp_path / "b", 3, mesh={}, hetero={"islands": islands})
+    r = compare.compare(a, b)
+    assert r.platforms[0].endswith("mesh fsdp=8)"), r.platforms
+    assert r.platforms[1].endswith("islands cuda (cuda, mesh fsdp=2) + rocm (rocm, mesh fsdp=2))"), r.platforms
+    assert "one device" in compare.compare(fake_run(tmp_path / "c", 3, mesh={}), a).platforms[0]
+
+
+@pytest.mark.parametrize("flag", ["--rtol", "--norm-rtol"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-1e-4"])
+def test_a_tolerance_that_is_not_finite_or_negative_is_refused_naming_the_flag(flag, value, tmp_path, capsys,
+                                                                                monkeypatch):
+    """--rtol nan printed BIT-IDENTICAL for bit-identical runs and exited 1."""
+    a, b = fake_run(tmp_path / "a", 3), fake_run(tmp_path / "b", 3)
+    assert repro_main(["compare", str(a), str(b), f"{flag}={value}"]) == 2
+    assert f"error: {flag}={float(value)}: a tolerance is a finite relative gap" in capsys.readouterr().err
+    monkeypatch.setattr(check.subprocess, "run", lambda *a, **k: pytest.fail("trained before refusing"))
+    assert repro_main(["platforms", "--config", "tiny", "--platforms", "cpu,cpu", "--out", str(tmp_path / "o"),
+                       f"{flag}={value}"]) == 2
+    with pytest.raises(ConfigError, match=r"^rtol=nan"):
+        compare.compare(a, b, rtol=math.nan)
+
+
+@pytest.mark.parametrize("platforms", ["cpu,tpu", "tpu,gpu", "cpu", "cpu,cuda,rocm"])
+def test_platforms_refuses_an_unknown_platform_before_anything_runs(platforms, tmp_path, monkeypatch, capsys):
+    """--platforms cpu,tpu saved the initial weights and trained the CPU run before the tpu
+    run failed, with exit 1."""
+    monkeypatch.setattr(check.subprocess, "run", lambda *a, **k: pytest.fail("ran before refusing"))
+    assert repro_main(["platforms", "--config", "tiny", "--platforms", platforms, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --platforms={platforms!r}: " in err, err
+    if "tpu" in platforms:
+        assert "'tpu' is not a platform with a profile; name two of cpu, cuda, rocm, gpu" in err, err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ConfigError, match=r"platforms='tpu'"):  # the function, called directly
+        platforms_lib.compare_platforms("tiny", {}, tmp_path / "o", ("cpu", "tpu"))
+
+
+def test_the_check_table_says_dash_where_no_weights_were_compared(tmp_path):
+    """init_equal None (no params step in common) printed DIFFER."""
+    ref = fake_run(tmp_path / "ref", 3, params_at=(0,))
+    late = fake_run(tmp_path / "late", 3, params_at=(2,))
+    same = fake_run(tmp_path / "same", 3, params_at=(0,))
+    rows = [check.Row("fsdp=8", ref, True, None), check.Row("late", late, True, compare.compare(ref, late)),
+            check.Row("same", same, True, compare.compare(ref, same))]
+    lines = check.table(rows, 1e-4, 1e-4).splitlines()
+    assert "  step-0 weights  " in lines[0], lines[0]
+    assert lines[3].split()[:3] == ["late", "same", "-"] and lines[4].split()[:3] == ["same", "same", "same"], lines
 
 
 # ---------------------------------------------------------------------------

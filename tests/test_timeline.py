@@ -108,6 +108,78 @@ def test_a_window_records_only_its_steps_and_writes_a_trace(tmp_path):
     assert "F1" in names and "F0" not in names and "F2" not in names
 
 
+def test_the_window_s_programs_are_named_in_the_jax_profiler_trace_too(tmp_path):
+    """The README promises an islands run's jax.profiler trace the timeline's names as
+    annotations; Timeline.program added none."""
+    import gzip
+    tl = timeline_lib.Timeline("cuda", 0, window=(1, 2))
+    f = tl.program("f", jax.jit(lambda x: x + 1))
+    f(jnp.zeros(3))  # compiled before the trace
+    jax.profiler.start_trace(str(tmp_path), create_perfetto_trace=True)
+    try:
+        for step in range(3):
+            tl.begin(step)
+            f(jnp.zeros(3), label=f"F{step}")
+            tl.settle()
+            tl.end()
+    finally:
+        jax.profiler.stop_trace()
+    perfetto, = tmp_path.rglob("perfetto_trace.json.gz")
+    names = {e.get("name") for e in json.loads(gzip.decompress(perfetto.read_bytes()))["traceEvents"]}
+    assert "F1" in names and not {"F0", "F2"} & names  # only the window's steps are annotated
+
+
+def _island_trace(run_dir, island, rank=0, window=(0, 1)):
+    tl = timeline_lib.Timeline(island, 0 if island == "cuda" else 1, rank=rank, window=window)
+    f = tl.program("f", jax.jit(lambda x: x + 1))
+    tl.begin(window[0])
+    f(jnp.zeros(3), label="F0")
+    tl.settle()
+    tl.end()
+    return tl.write(run_dir)
+
+
+def test_merge_leaves_out_an_earlier_job_s_traces_and_names_a_cut_file(tmp_path, capsys):
+    """trace/ kept an earlier job's files (another rank, an hour ago; one written before
+    files carried their span) and merge mixed them in; a file cut short by a kill was a
+    bare JSONDecodeError."""
+    stale = [_island_trace(tmp_path, "cuda", rank=1), _island_trace(tmp_path, "rocm", rank=1)]
+    for i, path in enumerate(stale):
+        trace = json.loads(path.read_text())
+        for e in trace["traceEvents"]:
+            if "ts" in e:
+                e["ts"] -= 3600e6
+        if i == 0 and "otherData" in trace:
+            trace["otherData"]["span_us"] = [t - 3600e6 for t in trace["otherData"]["span_us"]]
+        else:
+            trace.pop("otherData", None)  # as the code before wrote them
+        path.write_text(json.dumps(trace))
+    current = [_island_trace(tmp_path, "cuda"), _island_trace(tmp_path, "rocm")]
+    assert timeline_lib.main([str(tmp_path), "--png", str(tmp_path / "t.png")]) == 0
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert names == {"island cuda (rank 0)", "island rocm (rank 0)"}, names
+    out = capsys.readouterr().out
+    assert all(f"{p}: left out, an earlier job's trace" in out for p in stale), out
+
+    # A kill mid-write leaves the previous file whole: the write goes to a temporary name.
+    real = type(current[1]).write_text
+
+    def killed(self, text, *a, **k):
+        real(self, text[: len(text) // 2])
+        raise KeyboardInterrupt
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(type(current[1]), "write_text", killed)
+        with pytest.raises(KeyboardInterrupt):
+            _island_trace(tmp_path, "rocm")
+    assert timeline_lib.main([str(tmp_path), "--png", str(tmp_path / "t.png")]) == 0
+    # A file cut short anyway (copied, or by an older hetjax) is named, not a traceback.
+    current[1].write_text(current[1].read_text()[:50])
+    assert timeline_lib.main([str(tmp_path), "--png", str(tmp_path / "t.png")]) == 1
+    err = capsys.readouterr().err
+    assert f"error: {current[1]}: not a readable island trace" in err and "delete it" in err, err
+
+
 def test_the_ranks_of_one_island_merge_onto_their_own_tracks(tmp_path):
     for rank in (0, 1):
         tl = timeline_lib.Timeline("cuda", 0, rank=rank, window=(0, 1))
@@ -148,6 +220,15 @@ def test_a_one_mesh_job_writes_a_jax_profiler_trace_of_its_window(tmp_path):
                        "--config.checkpoint.every=0"])
     assert code == 0
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+
+
+def test_a_profile_window_before_the_first_step_is_refused_naming_both_fields():
+    """steps=5, data.start_step=3, profile_steps=0:2 used to trace nothing in silence."""
+    from hetjax.config import ConfigError, Config, DataConfig, validate
+    with pytest.raises(ConfigError, match=r"config\.profile_steps='0:2': its last step 1 is before "
+                                          r"config\.data\.start_step=3.*pick B > 3"):
+        validate(Config(steps=5, data=DataConfig(start_step=3), profile_steps="0:2"))
+    validate(Config(steps=5, data=DataConfig(start_step=3), profile_steps="0:4"))  # step 3 is traced
 
 
 @pytest.mark.parametrize("text", ["3", "5:5", "a:b", "-1:2", "4:2"])

@@ -19,19 +19,23 @@ wait_peer.
 With config.profile_steps=A:B an island also records those steps' operations, waits,
 copies and messages in flight as spans, and writes run_dir/trace/<island>-<rank>.json
 (Chrome's trace format, which Perfetto opens), with every step's program outputs
-watched by a thread that marks when the device finished them. The files of all
-islands share one wall clock:
+watched by a thread that marks when the device finished them; each program call of
+those steps is also a TraceAnnotation of the same name in the jax.profiler trace of the
+window (hetjax.profiler). The files of all islands share one wall clock:
 
     python -m hetjax.hetero.timeline RUN_DIR [--png PATH]
 
-merges them into RUN_DIR/trace.json, one process track per island, and draws the
-steps as RUN_DIR/timeline.png.
+merges the newest job's files (an earlier job's left in trace/ are named and left out)
+into RUN_DIR/trace.json, one process track per island, and draws the steps as
+RUN_DIR/timeline.png.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import math
+import os
 import queue
 import sys
 import threading
@@ -39,6 +43,8 @@ import time
 from pathlib import Path
 
 import jax
+
+from hetjax.errors import HetjaxError
 
 PARTS = ("compute", "dispatch", "wait_peer", "wait_bytes", "wait_sends")
 WAITS = PARTS[2:]  # time on the links (the step's transfer_time)
@@ -112,7 +118,11 @@ class Timeline:
         watched so that the device track shows when the device finished each program."""
         def call(*args, label: str = ""):  # label: this call's name in the trace (F3, B0...)
             t = time.perf_counter()
-            out = fn(*args)
+            if self.recording:  # the window's jax.profiler trace names the call as this one does
+                with jax.profiler.TraceAnnotation(label or name):
+                    out = fn(*args)
+            else:
+                out = fn(*args)
             end = time.perf_counter()
             self.add("dispatch", label or name, t, end)
             self._last = out
@@ -191,9 +201,18 @@ class Timeline:
                 {"name": "process_sort_index", "ph": "M", "pid": self.pid, "args": {"sort_index": self.pid}}]
         meta += [{"name": "thread_name", "ph": "M", "pid": self.pid, "tid": i, "args": {"name": t}}
                  for i, t in enumerate(TRACKS)]
+        # Which job wrote the file: merge keeps the files whose steps ran while the newest
+        # file's did (the islands of one job step together), not an earlier job's.
+        steps = [e for e in events if e.get("cat") == "step"] or [e for e in events if "dur" in e]
+        span = ([min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)] if steps
+                else [min(e["ts"] for e in events), max(e["ts"] for e in events)])
+        other = {"island": self.island, "rank": self.rank, "window": list(self.window or ()), "span_us": span}
         path = Path(run_dir) / "trace" / f"{self.island}-{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
+        # Written whole or not at all: a kill mid-write used to leave a cut file that merge choked on.
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms", "otherData": other}))
+        os.replace(tmp, path)
         return path
 
 
@@ -210,15 +229,57 @@ def _ready(out) -> None:
 # Merging every island's trace, and the picture.
 
 
-def merge(run_dir: Path) -> tuple[Path, list[dict]]:
-    """Every island's trace file under run_dir/trace, as one run_dir/trace.json."""
+# Clocks of the islands' hosts may disagree by this much; an earlier job in the same run
+# directory ended longer ago than that before the next one's window (it starts, compiles and
+# trains up to step A first).
+SKEW_US = 1e6
+
+
+def merge(run_dir: Path, echo=None) -> tuple[Path, list[dict]]:
+    """The newest job's island trace files under run_dir/trace, as one run_dir/trace.json.
+    A file whose traced steps ended before the newest file's began (with SKEW_US of slack), or
+    that traced another window, is an earlier job's: left out, and named to `echo`."""
     files = sorted((Path(run_dir) / "trace").glob("*.json"))
     if not files:
         raise FileNotFoundError(f"{run_dir}/trace holds no trace: train with --config.profile_steps=A:B")
-    events = [e for f in files for e in json.loads(f.read_text())["traceEvents"]]
+    traces = {f: _read(f) for f in files}
+    spans = {f: _span(t) for f, t in traces.items()}
+    newest = max(files, key=lambda f: (spans[f][1], f.stat().st_mtime))
+    window = traces[newest].get("otherData", {}).get("window")
+    keep = [f for f in files if spans[f][1] + SKEW_US >= spans[newest][0]
+            and traces[f].get("otherData", {}).get("window", window) == window]
+    for f in sorted(set(files) - set(keep)):
+        if echo is not None:
+            echo(f"{f}: left out, an earlier job's trace (its steps ran before {newest.name}'s)")
+    events = [e for f in keep for e in traces[f]["traceEvents"]]
     path = Path(run_dir) / "trace.json"
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return path, events
+
+
+def _read(path: Path) -> dict:
+    try:
+        trace = json.loads(path.read_text())
+        if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+            raise ValueError("no traceEvents list")
+        return trace
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise HetjaxError(f"{path}: not a readable island trace ({e}); a kill while it was written can "
+                          f"cut one short: delete it (that island's steps are then missing) or profile "
+                          f"again") from None
+
+
+def _span(trace: dict) -> tuple[float, float]:
+    """The wall-clock microseconds of a file's traced steps (computed for files written
+    before they carried them)."""
+    other = trace.get("otherData", {}).get("span_us")
+    if other:
+        return tuple(other)
+    timed = [e for e in trace["traceEvents"] if "ts" in e]
+    steps = [e for e in timed if e.get("cat") == "step"] or timed
+    if not steps:
+        return (-math.inf, math.inf)  # nothing timed: it cannot be told apart, so it is kept
+    return min(e["ts"] for e in steps), max(e["ts"] + e.get("dur", 0) for e in steps)
 
 
 def draw(events: list[dict], path: Path, title: str = "") -> Path:
@@ -278,10 +339,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--title", default="")
     args = p.parse_args(argv)
     try:
-        path, events = merge(args.run_dir)
+        path, events = merge(args.run_dir, echo=print)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except HetjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         cli.need("matplotlib", "plot", "the timeline's picture")
     except cli.ConfigError as e:

@@ -71,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"initial weights saved in {platforms_lib.save_initial(args.config, overrides, args.out)}")
             return 0
         if args.command == "platforms":
-            names = [None if p.strip() == "gpu" else p.strip() for p in args.platforms.split(",")]
-            if len(names) != 2:
-                raise config_lib.ConfigError(f"--platforms={args.platforms!r}: name two, e.g. cpu,gpu")
+            names = platforms_lib.parse_platforms(args.platforms)
             return platforms_lib.compare_platforms(args.config, overrides, args.out, names, steps=args.steps,
                                                    fingerprint_every=args.fingerprint_every, rtol=args.rtol,
                                                    norm_rtol=args.norm_rtol)
@@ -87,12 +85,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_numbers(args) -> None:
-    """A tolerance below 0 would fail every comparison, and a count below 1 compare nothing:
-    refused, naming the flag, before anything trains."""
-    for flag in ("rtol", "norm_rtol"):
-        if getattr(args, flag, 0) < 0:
-            raise config_lib.ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: a tolerance "
-                                         f"is a relative gap, at least 0 (0: bit-identical)")
+    """A tolerance that is negative or not finite would fail (or pass) every comparison, and
+    a count below 1 compare nothing: refused, naming the flag, before anything trains."""
+    if args.command != "init":
+        compare_lib.check_tolerances(args.rtol, args.norm_rtol, names=("--rtol", "--norm-rtol"))
     for flag in ("steps", "devices", "fingerprint_every"):
         if getattr(args, flag, 1) < 1:
             raise config_lib.ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be at least 1")

@@ -169,6 +169,7 @@ def check(config: str, layouts: str, out: str | Path, overrides: dict | None = N
           devices: int = 8, fingerprint_every: int = 10, rtol: float = compare_lib.LOSS_RTOL,
           norm_rtol: float = compare_lib.NORM_RTOL, timeout: float = 1800, echo=print) -> tuple[int, list]:
     """Runs every layout and compares each with the first. Returns (exit code, rows)."""
+    compare_lib.check_tolerances(rtol, norm_rtol)  # before any run, not at the first comparison
     overrides = with_counts(overrides, steps, fingerprint_every, "check")
     cfg = config_lib.load(config, overrides)  # a bad key or value fails before any run
     lays = [layout(name, sizes, cfg, devices, config) for name, sizes in parse(layouts)]
@@ -211,7 +212,11 @@ def check(config: str, layouts: str, out: str | Path, overrides: dict | None = N
 
 def table(rows, rtol: float, norm_rtol: float) -> str:
     """One line per layout, each against the first."""
-    head = ("layout", "data", "step-0 weights", "1st loss diff", "max loss gap", "max norm drift", "verdict")
+    # The weights compared are those of the first params step both runs recorded: step 0
+    # unless a run resumed or started from init_from at another step.
+    inits = {row.report.init_step for row in rows if row.report is not None and row.report.init_step is not None}
+    weights = f"step-{inits.pop()} weights" if len(inits) == 1 else "first common weights"
+    head = ("layout", "data", weights, "1st loss diff", "max loss gap", "max norm drift", "verdict")
     lines = [head]
     for i, row in enumerate(rows):
         r = row.report
@@ -225,10 +230,18 @@ def table(rows, rtol: float, norm_rtol: float) -> str:
             verdict = ("void" if r.void else "bit-identical" if r.identical
                        else "ok" if r.within else "OUT OF TOLERANCE")
             lines.append((row.layout, "same" if r.first_data_diff is None else f"differ@{r.first_data_diff}",
-                          "same" if r.init_equal else "DIFFER",
+                          _weights(r, several=weights == "first common weights"),
                           "-" if r.first_loss_diff is None else str(r.first_loss_diff),
                           f"{r.max_loss_gap:.2e}", f"{r.max_norm_drift:.2e}", verdict))
     widths = [max(len(str(row[j])) for row in lines) for j in range(len(head))]
     text = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines]
     return "\n".join(text[:1] + ["-" * len(text[0])] + text[1:] +
                      [f"tolerances: loss rtol {rtol:g}, norm rtol {norm_rtol:g}"])
+
+
+def _weights(r: compare_lib.Report, several: bool) -> str:
+    """The weights cell: '-' where the runs share no params step (nothing was compared)."""
+    if r.init_equal is None:
+        return "-"
+    word = "same" if r.init_equal else "DIFFER"
+    return f"{word}@{r.init_step}" if several else word

@@ -61,6 +61,11 @@ class Report:
                     f"(--config.init_from=DIR)")
         if self.ends[0] != self.ends[1]:
             short = 0 if self.ends[0] < self.ends[1] else 1
+            if all(p is not None and e + 1 == p for e, p in zip(self.ends, self.planned)):
+                # Both finished: neither stopped early, their configs asked for different lengths.
+                return (f"config.steps differs: run A trains {self.planned[0]} steps, run B {self.planned[1]}, "
+                        f"and both finished; the steps only run {'AB'[1 - short]} has cannot be judged; "
+                        f"compare runs with the same config.steps")
             name, other = "AB"[short], "AB"[1 - short]
             return (f"run {name} ends at step {self.ends[short]} (its config trains {self.planned[short]}), run {other} at step "
                     f"{self.ends[1 - short]}: {name} stopped early (killed, diverged) or is still running, and "
@@ -95,6 +100,15 @@ class Report:
                 f"relative norm drift {self.max_norm_drift:.3g} (norm_rtol {self.norm_rtol:g})")
 
 
+def check_tolerances(rtol: float, norm_rtol: float, names=("rtol", "norm_rtol")) -> None:
+    """A NaN tolerance fails every comparison but the bit-identical one, whose verdict then
+    read BIT-IDENTICAL beside exit 1; a negative one fails all; inf passes anything."""
+    for name, value in zip(names, (rtol, norm_rtol)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{name}={value}: a tolerance is a finite relative gap, at least 0 "
+                              f"(0: bit-identical), e.g. {name}={LOSS_RTOL:g}")
+
+
 def _same(a: float, b: float) -> bool:
     """Equal, with NaN equal to NaN: a reproduced divergence is reproduced."""
     return a == b or (math.isnan(a) and math.isnan(b))
@@ -123,22 +137,35 @@ def json_value(v):
     return tuple(map(json_value, v)) if isinstance(v, list) else v
 
 
-# Fields that say where and how a run ran, not what it trained.
+# Fields that say where and how a run ran, or what it is called and traced, not what it trained.
 _LAYOUT_KEYS = ("run_dir", "mesh.", "compile.", "checkpoint.", "pipeline.", "sharding.", "hetero.", "tensorboard",
                 "log_every", "eval_", "fingerprint_every", "device_memory_gib", "memory_fraction",
-                "peak_tflops", "data.num_workers", "init_from")
+                "peak_tflops", "data.num_workers", "init_from", "profile_steps", "wandb.")
+_BOOKKEEPING_KEYS = ("name",)  # whole keys: a prefix "name" would hide any later name_* field
 
 
 def config_diff(a: dict, b: dict) -> dict[str, tuple]:
     """Config fields (other than layout and bookkeeping) whose values differ."""
     fa, fb = _flat(a), _flat(b)
     return {k: (fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb))
-            if fa.get(k) != fb.get(k) and not k.startswith(_LAYOUT_KEYS)}
+            if fa.get(k) != fb.get(k) and not k.startswith(_LAYOUT_KEYS) and k not in _BOOKKEEPING_KEYS}
+
+
+def _layout_words(header: dict) -> str:
+    """'mesh fsdp=8', or an islands job's islands from its config (it records no one mesh:
+    each island has its own, so an empty mesh there is not one device)."""
+    islands = header.get("config", {}).get("hetero", {}).get("islands") or []
+    if not header.get("mesh") and islands:
+        sizes = lambda m: ",".join(f"{k}={v}" for k, v in (m or {}).items() if v != 1) or "one device"  # noqa: E731
+        return "islands " + " + ".join(f"{i.get('name', '?')} ({i.get('platform', '?')}, mesh {sizes(i.get('mesh'))})"
+                                       for i in islands)
+    return "mesh " + (",".join(f"{k}={v}" for k, v in header.get("mesh", {}).items() if v != 1) or "one device")
 
 
 def compare(run_a: str | Path, run_b: str | Path, rtol: float = LOSS_RTOL,
             norm_rtol: float = NORM_RTOL) -> Report:
     """Compares the fingerprints of two run directories."""
+    check_tolerances(rtol, norm_rtol)
     ha, sa, pa = read(run_a)
     hb, sb, pb = read(run_b)
     steps = sorted(set(sa) & set(sb))
@@ -160,8 +187,8 @@ def compare(run_a: str | Path, run_b: str | Path, rtol: float = LOSS_RTOL,
     cfg_a = ha[-1].get("config", {}) if ha else {}
     cfg_b = hb[-1].get("config", {}) if hb else {}
     where = lambda h: " + ".join(  # noqa: E731
-        f"{x['platform']} ({x['device_kind']}, jax {x['jax']}, {x['profile']}, mesh "
-        f"{','.join(f'{k}={v}' for k, v in x['mesh'].items() if v != 1) or 'one device'})" for x in h) or "?"
+        f"{x['platform']} ({x['device_kind']}, jax {x['jax']}, {x['profile']}, {_layout_words(x)})"
+        for x in h) or "?"
     return Report(
         a=str(run_a), b=str(run_b), steps=steps, first_data_diff=first_data, init_step=init,
         init_equal=None if init is None else pa[init]["params"] == pb[init]["params"],

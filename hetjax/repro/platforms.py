@@ -35,6 +35,21 @@ PLATFORM_NORM_RTOL = compare_lib.NORM_RTOL
 VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}
 
 
+def parse_platforms(text: str) -> list[str | None]:
+    """--platforms 'cpu,gpu' -> ['cpu', None] (None: this machine's GPU). A name without a
+    backend profile is refused here: found only when its run starts, it cost the initial
+    weights and the whole first run first."""
+    from hetjax.compile import profiles
+    names = [p.strip() for p in text.split(",")]
+    if len(names) != 2:
+        raise ConfigError(f"--platforms={text!r}: name two, e.g. cpu,gpu")
+    for name in names:
+        if name != "gpu" and name not in profiles.PLATFORMS:
+            raise ConfigError(f"--platforms={text!r}: {name!r} is not a platform with a profile; name two of "
+                              f"{', '.join(profiles.PLATFORMS)}, gpu (this machine's), e.g. cpu,gpu")
+    return [None if name == "gpu" else name for name in names]
+
+
 def save_initial(config: str, overrides: dict, out: str | Path) -> Path:
     """Initialises `config`'s parameters on this process's devices (one mesh axis over
     all of them, no pipeline) and saves them as checkpoint 0 in out/checkpoints."""
@@ -60,7 +75,11 @@ def compare_platforms(config: str, overrides: dict, out: str | Path, platforms=(
                       echo=print) -> int:
     """Trains `config` on each platform (None: this machine's GPU) from one saved set of
     initial weights, and compares the second run with the first. Returns the exit code."""
-    from hetjax.compile import backend
+    from hetjax.compile import backend, profiles
+    compare_lib.check_tolerances(rtol, norm_rtol)  # before any run, not at the comparison
+    for p in platforms:  # a caller other than the command line is held to the same names
+        if p is not None:
+            profiles.check_platform(p, "platforms")
     gpus = sorted(backend.installed_plugins())
     platforms = [p or (gpus[0] if gpus else None) for p in platforms]
     if None in platforms:
