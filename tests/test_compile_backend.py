@@ -92,6 +92,11 @@ def test_detection(monkeypatch):
     assert backend.detect({"JAX_PLATFORMS": "rocm"})[0] == "rocm"
     assert backend.detect({})[0] == "cpu"  # this machine has no GPU plugin
     monkeypatch.setattr(backend, "installed_plugins", lambda: {"cuda": "jax-cuda12-plugin is installed"})
+    # A plugin installed where no GPU is (a CUDA image on a CPU node): jax runs on its CPU,
+    # and so does the profile. It said cuda, and put the CUDA flags and cache on a CPU run.
+    assert backend.detect({}) == ("cpu", "jax-cuda12-plugin is installed, but no cuda device "
+                                         "(/dev/nvidiactl or /dev/nvidia0 or /dev/dxg) exists")
+    monkeypatch.setitem(backend._DEVICE_NODES, "cuda", ("/dev/null",))  # a node that exists: a GPU here
     assert backend.detect({}) == ("cuda", "jax-cuda12-plugin is installed")
     assert backend.detect({"JAX_PLATFORMS": "cpu"})[0] == "cpu"
     profile, why = backend.resolve(CompileConfig(deterministic=True), {})

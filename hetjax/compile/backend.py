@@ -82,6 +82,9 @@ def detect(environ=None) -> tuple[str, str]:
             f"so the platform cannot be detected; set config.compile.platform to cuda or rocm")
     if plugins:
         (platform, why), = plugins.items()
+        # jax falls back to its CPU then: the GPU profile's flags and cache would go with it.
+        if (missing := unavailable(platform, plugins)) is not None:
+            return "cpu", f"{why}, but {missing}"
         return platform, why
     return "cpu", "no GPU plugin for jax is installed"
 
