@@ -84,3 +84,24 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("=", f"most CPU time (of {total:.0f} s in all tests)")
     for nodeid, cpu in sorted(_cpu_by_test.items(), key=lambda kv: -kv[1])[:30]:
         terminalreporter.write_line(f"{cpu:7.1f}s cpu  {nodeid}")
+
+
+# The costliest tests (the CI log's "most CPU time"), run first: xdist hands tests out in
+# collection order, and one of these collected last kept a worker busy for a minute after
+# the other had finished. Only tests with no module-scoped fixture move: another module's
+# test between two of a module's would set its fixture up twice. A name gone stays harmless.
+FIRST = ("test_multiprocess.py::test_4_gloo", "test_multiprocess.py::test_2_gloo",
+         "test_hetero_processes.py::test_two_islands_of_two_processes", "test_repro.py::test_layouts_agree",
+         "test_hetero.py::test_pipeline_islands_train_like_one_island",
+         "test_pipeline_interleave.py::test_interleaved_islands_train_like_one_island",
+         "test_train.py::test_tiny_config_trains", "test_checkpoint.py::test_sigkill_and_sigterm",
+         "test_hetero.py::test_data_islands_train_like_one_island", "test_hetero.py::test_virtual_islands_save",
+         "test_hetero_processes.py::test_an_island_still_busy", "test_repro.py::test_interleaved_pipeline_layout")
+
+
+def pytest_collection_modifyitems(items):
+    def first(item) -> bool:
+        shared = any(d.scope in ("module", "package", "class")
+                     for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
+        return not shared and any(f in item.nodeid for f in FIRST)
+    items.sort(key=lambda item: not first(item))  # stable: the rest keep their order

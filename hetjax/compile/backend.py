@@ -198,13 +198,16 @@ def virtual_cpu_devices(count: int, environ=None) -> None:
     environ["JAX_PLATFORMS"] = "cpu"
 
 
-def start(cfg) -> str:
-    """The profile and the compilation cache for a run of `cfg`; returns the start-up line."""
+def start(cfg, startable: bool = True) -> str:
+    """The profile and the compilation cache for a run of `cfg`; returns the start-up line.
+    startable=False: an island's process, whose platform its island's check names after
+    jax starts (hetero.runtime.check_platform), not config.compile.platform."""
     from hetjax.compile import cache
     check_attention(cfg.model, resolve(cfg.compile)[0].platform)  # before XLA's flags are set
     applied = setup(cfg.compile)
     check_started_attention(cfg.model, applied.profile.name)
-    check_startable(cfg.compile, applied.profile.platform)
+    if startable:
+        check_startable(cfg.compile, applied.profile.platform)
     line = applied.describe()
     if cfg.compile.cache:
         path = cache.enable(cache.directory(cfg.compile.cache_dir, cfg.run_dir, applied.profile.platform))
@@ -271,9 +274,9 @@ def check_attention(model, platform: str) -> None:
 # collectives) have aborted in XLA:CPU's collective rendezvous on jax 0.10.2 ("2 threads
 # expected, 1 arrived"), the `direct` stall an earlier bench saw; compiled afresh they
 # never did. Their compiles take seconds.
-def start_afresh_on_cpu(cfg, cpu: bool, who: str = "CPU islands") -> str:
-    """start(cfg), without the persistent compilation cache when `cpu` (see above)."""
+def start_afresh_on_cpu(cfg, cpu: bool, who: str = "CPU islands", startable: bool = True) -> str:
+    """start(cfg, startable), without the persistent compilation cache when `cpu` (see above)."""
     if cpu and cfg.compile.cache:
         cfg = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, cache=False))
-        return start(cfg) + f"; compilation cache: off ({who} compile afresh)"
-    return start(cfg)
+        return start(cfg, startable) + f"; compilation cache: off ({who} compile afresh)"
+    return start(cfg, startable)

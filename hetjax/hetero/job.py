@@ -65,7 +65,8 @@ def start(cfg) -> tuple[str, object]:
     spec = next(i for i in cfg.hetero.islands if i.name == settings.island)
     platform = settings.stand_in or spec.platform
     line = backend.start_afresh_on_cpu(
-        dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, platform=platform)), platform == "cpu")
+        dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, platform=platform)), platform == "cpu",
+        startable=False)  # runtime.check_platform names the island's platform field instead
     runtime.initialize(settings, spec, cfg.hetero.timeout_s)
     checkpoint.barriers_without_collectives()  # an island of several processes saves mid-run
     where = f"island {settings.island} rank {settings.process_id}/{spec.num_processes} (from {settings.source})"
