@@ -311,3 +311,45 @@ def test_eval_batches_are_fixed_and_held_out():
     a, b = d.eval_batch(1, sh), d.eval_batch(1, sh)
     np.testing.assert_array_equal(np.asarray(a["inputs"]), np.asarray(b["inputs"]))
     assert not np.array_equal(np.asarray(a["inputs"]), np.asarray(d.batch(1, sh)["inputs"]))
+
+
+def test_an_hf_tokenizer_encodes_special_token_text_as_text_and_counts_its_highest_id(tmp_path):
+    """A document quoting "<|endoftext|>" got a real EOS in its middle (tiktoken's files
+    encode it as text); and a vocabulary whose ids skip some (0, 1, 2, 900) reported 4 ids,
+    so the model's vocab_size check let id 900 through to a 10-row embedding."""
+    import json as json_lib
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from hetjax.config import ConfigError
+    from hetjax.data import tokenizers
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(), decoders.ByteLevel()
+    tok.train_from_iterator(["a document of words"] * 8, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    t = tokenizers.load(str(tmp_path / "tokenizer.json"))
+    quoted = "a document quoting <|endoftext|> in its text"
+    assert t.eos_id == 0 and t.eos_id not in t.encode(quoted).tolist()
+    assert t.decode(t.encode(quoted)).strip() == quoted
+    assert [x.tolist() for x in t.encode_batch([quoted])] == [t.encode(quoted).tolist()]
+    sparse = {"model": {"type": "WordLevel", "vocab": {"<unk>": 0, "<eos>": 1, "hello": 2, "world": 900},
+                        "unk_token": "<unk>"}, "pre_tokenizer": {"type": "Whitespace"}}
+    (tmp_path / "sparse.json").write_text(json_lib.dumps(sparse))
+    t = tokenizers.load(str(tmp_path / "sparse.json"))
+    assert t.encode("hello world").tolist() == [2, 900] and t.vocab_size == 901
+    with pytest.raises(ConfigError, match="has 901 token ids but config.model.vocab_size=10"):
+        tokenizers.check_vocab(t, 10, "config.data.tokenizer")
+
+
+def test_data_settings_their_source_ignores_are_refused():
+    """Forgetting config.data.source=jsonl trained on the synthetic language, the path,
+    eval_path and tokenizer given unread; a mixture left config.data.path unread too."""
+    from hetjax.config import Config, ConfigError, DataConfig, validate
+    for given in (dict(path="web/*.jsonl"), dict(eval_path="held.jsonl"), dict(tokenizer="tok.json")):
+        with pytest.raises(ConfigError, match=rf"config.data.{next(iter(given))}=.*unread, as source='synthetic' .*"
+                                              r"set config.data.source=text, jsonl or array_record"):
+            validate(Config(data=DataConfig(**given)))
+    with pytest.raises(ConfigError, match=r"config.data.path='web/\*.jsonl', config.data.source='jsonl': unread"):
+        validate(Config(data=DataConfig(mixture=(("a", 1.0, "jsonl", "x"),), path="web/*.jsonl", source="jsonl")))
+    validate(Config(data=DataConfig(source="jsonl", path="web/*.jsonl", tokenizer="tok.json")))  # read

@@ -55,6 +55,17 @@ def validate_data(cfg) -> None:
         raise ConfigError(f"config.data.eval_path={d.eval_path!r} with config.data.mixture: a mixture's "
                           f"sources each hold out config.data.eval_fraction of their documents for eval; "
                           f"drop eval_path, or set config.data.eval_fraction")
+    # Settings their source ignores: a run that forgot config.data.source trained on the
+    # synthetic language, never saying the path it was given went unread.
+    if d.mixture:
+        ignored = [f"{k}={getattr(d, k)!r}" for k in ("path", "source") if getattr(d, k) != getattr(DataConfig, k)]
+        why, fix = "config.data.mixture names each source's own path and kind", "drop them"
+    else:
+        ignored = [f"{k}={getattr(d, k)!r}" for k in ("path", "eval_path", "tokenizer")
+                   if d.source == "synthetic" and getattr(d, k) != getattr(DataConfig, k)]
+        why, fix = "source='synthetic' makes its own token ids", "set config.data.source=text, jsonl or array_record"
+    if ignored:
+        raise ConfigError(f"config.data.{', config.data.'.join(ignored)}: unread, as {why}; {fix}")
     if d.source != "synthetic" and not d.path and not d.mixture:
         raise ConfigError(f"config.data.source={d.source!r} needs config.data.path (files, globs "
                           f"or a prepared directory)")

@@ -79,7 +79,11 @@ class HFTokenizer(_Reloaded):
             self._tok = cli.need("tokenizers", "hf", f"config.data.tokenizer={path!r}").Tokenizer.from_file(path)
         except Exception as e:
             raise ConfigError(f"config.data.tokenizer={path!r}: not a tokenizer.json ({e})") from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # A document's text is text: "<|endoftext|>" quoted in it is not an EOS, as with
+        # tiktoken's encode_ordinary (the same Llama 3 text gave other ids from each file).
+        self._tok.encode_special_tokens = True
+        # The embedding needs a row for the highest id, which ids not counted from 0 exceed.
+        self.vocab_size = 1 + max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
         extra = _tokenizer_config(Path(path).parent)
         bos = extra.get("bos_token") or _first_known(self._tok, HF_BOS_NAMES)
         eos = extra.get("eos_token") or _first_known(self._tok, HF_EOS_NAMES)
@@ -88,7 +92,7 @@ class HFTokenizer(_Reloaded):
         prepends = self._tok.encode("a", add_special_tokens=True).ids[:1] == [self.bos_id]
         self.add_bos = self.bos_id is not None and bool(extra.get("add_bos_token", prepends or "bos_token" not in extra))
         self.add_eos = self.eos_id is not None
-        self.fingerprint = "hf-" + _file_digest(Path(path))
+        self.fingerprint = "hf2-" + _file_digest(Path(path))  # hf2: special-token text encoded as text
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
