@@ -239,3 +239,36 @@ def test_a_send_cut_by_closing_its_own_endpoint_says_so_not_that_the_peer_was_lo
         assert not isinstance(e.value, PeerLost)
     finally:
         a.close(), b.close()
+
+
+def test_a_local_receive_owns_its_memory_refuses_a_twin_and_names_a_deleted_send():
+    """On the same devices `local` handed the receiver the sender's own buffers: deleting or
+    donating either array killed the other. A second receive of one tag raced the first for
+    the message; an array deleted after its send failed the receive with a bare RuntimeError."""
+    import time
+    d = jax.devices()
+    same = sharding(d[:4], ("x",), ("x",))
+    x = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), same)
+    a, b = endpoints("local", timeout_s=2)
+    try:
+        out, _, _ = move(a, b, x, same)
+        x.delete()
+        np.testing.assert_array_equal(np.asarray(out), np.arange(32, dtype=np.float32).reshape(8, 4))
+        like = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=same)
+        r = b.recv("twin", like, same)
+        with pytest.raises(TransferError, match="'twin': a receive with this tag is already posted"):
+            b.recv("twin", like, same)
+        y = jax.device_put(np.ones((8, 4), np.float32), same)
+        a.send(y, "twin", same).wait()
+        y.delete()
+        with pytest.raises(TransferError, match="recv 'twin': leaf 0 was deleted or donated after its send"):
+            r.wait()
+    finally:
+        a.close(), b.close()
+    # host: a receive posted on a closed endpoint is refused, not waited for until busy_timeout_s.
+    a, b = endpoints("host", timeout_s=2, busy_timeout_s=30)
+    a.close(), b.close()
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="recv 'late': this endpoint is closed"):
+        b.recv("late", jax.ShapeDtypeStruct((8, 4), np.float32, sharding=same), same).wait()
+    assert time.monotonic() - start < 5

@@ -96,8 +96,9 @@ class HostEndpoint(Endpoint):
         handle.watch(inbox.activity.idle, self.cfg.timeout_s,
                      wire.pinger(peers, senders, self._secret, HANDSHAKE_S, inbox.owing()), self.cfg.busy_timeout_s)
         with self._posted:
-            if tag in self._inboxes:
-                raise TransferError(f"recv {tag!r}: a receive with this tag is already posted; tags must be unique in flight")
+            if tag in self._inboxes or self._closing:  # closed: no peer's message would ever land
+                raise TransferError(f"recv {tag!r}: " + ("this endpoint is closed" if self._closing else
+                                    "a receive with this tag is already posted; tags must be unique in flight"))
             self._inboxes[tag] = inbox
             self._posted.notify_all()
         # By id, not the inbox itself: the handle's future keeps its callbacks, and an inbox
@@ -173,8 +174,7 @@ class HostEndpoint(Endpoint):
         self._log(f"transfer: refused a connection from {peer}: {why}")
 
     def _log(self, text: str) -> None:
-        """Logs a refusal or an accept error at most once per REFUSAL_LOG_S: a flood of
-        connections must not become a flood of log lines."""
+        """Logs a refusal or an accept error at most once per REFUSAL_LOG_S (a flood of them is one line)."""
         with self._gate:
             now = time.monotonic()
             if now < self._log_after:

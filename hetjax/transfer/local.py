@@ -15,6 +15,7 @@ from hetjax.transfer.api import Endpoint, check_leaf
 from hetjax.transfer.link import TransferError, TransferTimeout
 
 _mailbox: dict[str, tuple] = {}
+_posted: set[str] = set()  # tags of receives waiting: a second would race the first for the message
 _arrived = threading.Condition()
 
 
@@ -41,27 +42,40 @@ class LocalEndpoint(Endpoint):
 
     def recv(self, tag, like, src, peers=None):
         expect = self.prepare_recv(tag, like, src)
+        with _arrived:
+            if tag in _posted:
+                raise TransferError(f"recv {tag!r}: a receive with this tag is already posted; tags must be "
+                                    f"unique in flight")
+            _posted.add(tag)
         handle = core.Handle(None, f"recv {tag!r}")
         return handle.run(self._receive, tag, expect, handle)
 
     def _receive(self, tag, expect, handle):
         with _arrived:
-            while tag not in _mailbox:
-                _arrived.wait(timeout=0.05)
-                if tag not in _mailbox and handle.overdue(self.cfg.timeout_s):
-                    raise TransferTimeout(f"recv {tag!r}: nothing was sent within {self.cfg.timeout_s:g} s "
-                                          f"of waiting for it (LinkConfig.timeout_s)")
-            leaves, plans = _mailbox.pop(tag)
+            try:
+                while tag not in _mailbox:
+                    _arrived.wait(timeout=0.05)
+                    if tag not in _mailbox and handle.overdue(self.cfg.timeout_s):
+                        raise TransferTimeout(f"recv {tag!r}: nothing was sent within {self.cfg.timeout_s:g} s "
+                                              f"of waiting for it (LinkConfig.timeout_s)")
+                leaves, plans = _mailbox.pop(tag)
+            finally:
+                _posted.discard(tag)
         if len(leaves) != len(expect.avals):
             raise TransferError(f"recv {tag!r}: the sender sent {len(leaves)} arrays but this receive expects "
                                 f"{len(expect.avals)}; both islands must agree on the tree")
         received = []
         for i, (x, aval, plan) in enumerate(zip(leaves, expect.avals, expect.plans, strict=True)):
             check_leaf(tag, i, x.shape, x.dtype, aval)
+            if x.is_deleted():  # read here, not when sent: a local send's handle is done at once
+                raise TransferError(f"recv {tag!r}: leaf {i} was deleted or donated after its send; the local "
+                                    f"backend reads a sent array when it is received: keep it alive until then")
             if plans[i] != plan:  # both sides plan from (shape, source layout, destination layout)
                 raise TransferError(f"recv {tag!r}: leaf {i} was sent from or to another layout than this "
                                     f"receive's `src`/`like` say; the two islands disagree on the layouts")
             receivers = list(aval.sharding.mesh.devices.flat)
-            received += [(i, piece, jax.device_put(core.device_piece(x, plan, piece), receivers[piece.dst]))
-                         for piece in plan.pieces]
+            # A copy even where source and receiver devices are one: the received array owns its
+            # memory, as on the other backends (deleting or donating either would kill both).
+            received += [(i, piece, jax.device_put(core.device_piece(x, plan, piece), receivers[piece.dst],
+                                                   may_alias=False)) for piece in plan.pieces]
         return core.assemble(expect, self.process, received, handle)
