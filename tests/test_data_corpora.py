@@ -352,3 +352,46 @@ def test_threads_sharing_packed_rows_read_their_epochs_safely():
     finally:
         sys.setswitchinterval(switch)
     assert not errors, errors[:3]
+
+
+def test_prepare_takes_each_files_format_from_its_own_name_and_refuses_a_mix(tmp_path):
+    """The first file's name decided every input's format: a JSONL file after a text file
+    (or a Parquet file) was tokenized as its JSON lines, and *.JSONL was text."""
+    (tmp_path / "a.txt").write_bytes(b"plain words\n")
+    (tmp_path / "b.jsonl").write_bytes(jsonl(TEXT[:3]))
+    with pytest.raises(ConfigError, match=r"mixes formats .*text: .*a\.txt; jsonl: .*b\.jsonl.*--format=text"):
+        prepare.prepare(f"{tmp_path}/a.txt,{tmp_path}/b.jsonl", str(tmp_path / "mixed"), progress=False)
+    assert not (tmp_path / "mixed").exists()  # refused before anything is written
+    (tmp_path / "C.JSONL").write_bytes(jsonl(TEXT[3:5]))
+    pq.write_table(pa.table({"text": TEXT[5:7]}), tmp_path / "d.parquet")
+    prepare.prepare(f"{tmp_path}/d.parquet,{tmp_path}/C.JSONL", str(tmp_path / "ok"), progress=False, processes=1)
+    assert read_back(tmp_path / "ok") == [t.encode() for t in TEXT[5:7] + TEXT[3:5]]
+    # --format says how to read every line, whatever the names (as before)
+    prepare.prepare(f"{tmp_path}/a.txt,{tmp_path}/b.jsonl", str(tmp_path / "asis"), fmt="text", progress=False,
+                    processes=1)
+    assert read_back(tmp_path / "asis")[0] == b"plain words"
+
+
+def test_prepare_refuses_a_file_named_twice(tmp_path):
+    inputs = write_corpora(tmp_path / "in")
+    arrow = sorted((tmp_path / "in" / "saved").glob("*.arrow"))[0]
+    for twice, name in ((f"{inputs['plain']},{tmp_path}/in/*.jsonl", "a.jsonl"),
+                        (f"{inputs['saved']},{arrow}", arrow.name)):
+        with pytest.raises(ConfigError, match=rf"--input=.*{name} matched twice"):
+            prepare.prepare(twice, str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_in_two_mixture_entries_is_refused_before_indexing(tmp_path):
+    """Each entry holds out its own eval documents by its own numbering: a file in two
+    entries had documents held out by one and trained on by the other."""
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / "mx").mkdir(exist_ok=True)
+        (tmp_path / "mx" / name).write_bytes(jsonl(TEXT))
+    os.symlink(tmp_path / "mx" / "b.jsonl", tmp_path / "link.jsonl")
+    for other in (f"{tmp_path}/mx/b.jsonl", f"{tmp_path}/link.jsonl"):
+        mix = (("all", 0.5, "jsonl", f"{tmp_path}/mx/*.jsonl"), ("b", 0.5, "jsonl", other))
+        cfg = Config(model=ModelConfig(vocab_size=320), data=DataConfig(mixture=mix, index_dir=str(tmp_path / "ix")))
+        with pytest.raises(ConfigError, match=r"entries 'all' and 'b' both hold .*b\.jsonl: .*give each file to one"):
+            data.build(cfg)
+    assert not (tmp_path / "ix").exists()

@@ -225,3 +225,33 @@ def test_train_and_eval_rows_read_from_two_threads_at_once_are_their_own(tmp_pat
     finally:
         sys.setswitchinterval(interval)
     assert got == {"train": 0, "eval": 0} and not errors, (got, errors[:2])
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_document_on_any_path(tmp_path):
+    """A UTF-8 BOM stayed in a text file's first document, and a JSONL file's first line
+    failed as "not JSON" (with advice to skip it); prepare and the sources must agree."""
+    import gzip
+    bom = b"\xef\xbb\xbf"
+    texts = ["first line", "second", "third one"]
+    files = {"a.txt": bom + "\n".join(texts).encode() + b"\n",
+             "b.jsonl": bom + "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()}
+    files["c.jsonl.gz"] = gzip.compress(files["b.jsonl"])
+    byte, expected = tokenizers.ByteTokenizer(), [t.encode() for t in texts]
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+        fmt = "text" if name.endswith(".txt") else "jsonl"
+        if not name.endswith(".gz"):
+            src = sources.TextSource(str(tmp_path / name), fmt, byte, index_dir=str(tmp_path / "ix"))
+            assert [bytes(src[i].astype(np.uint8)) for i in range(len(src))] == expected, name
+            if fmt == "text":  # an index cached before the BOM was dropped is built again
+                cache = next((tmp_path / "ix").glob("*.npz"))
+                old = {k: v for k, v in np.load(cache).items() if k != "bom"}
+                old["offset"][0], old["size"][0] = 0, old["size"][0] + 3
+                np.savez(cache, **old)
+                again = sources.TextSource(str(tmp_path / name), fmt, byte, index_dir=str(tmp_path / "ix"))
+                assert bytes(again[0].astype(np.uint8)) == b"first line" and again.fingerprint == src.fingerprint
+        for chunk in (2, 5, 1 << 20):  # a range that starts at byte 0 and ranges that start after
+            out = tmp_path / f"{name}-{chunk}"
+            prepare.prepare(str(tmp_path / name), str(out), progress=False, processes=1, chunk_bytes=chunk)
+            got = sources.ArrayRecordSource(str(out))
+            assert [bytes(got[i].astype(np.uint8)) for i in range(len(got))] == expected, (name, chunk)

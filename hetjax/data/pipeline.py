@@ -223,6 +223,7 @@ def _build_mixture(cfg) -> Data:
     d = cfg.data
     tokenizer = tokenizers.load(d.tokenizer)
     entries = mixture.parse(d.mixture)
+    _check_mixture_files(entries)
     parts, keys, described = ([], []), [], []
     for name, weight, source, path in entries:
         train, held_out, fp = _open_split(cfg, tokenizer, source, path, f"config.data.mixture[{name!r}]")
@@ -237,6 +238,23 @@ def _build_mixture(cfg) -> Data:
     train, held_out = (mixture.MixedRows(p, weights, d.seed, i) for i, p in enumerate(parts))
     return Data(train, held_out, "mixture: " + ", ".join(described),
                 hashlib.sha256(key.encode()).hexdigest()[:16], None, cfg.batch_size, d.num_workers)
+
+
+def _check_mixture_files(entries) -> None:
+    """Refuses a file (or prepared directory) in two mixture entries: each entry holds out
+    its own eval_fraction by its own document numbers, so the documents one entry holds
+    out the other trains on."""
+    owner: dict[str, str] = {}
+    for name, _, source, path in entries:
+        what = f"config.data.mixture[{name!r}]"
+        files = [Path(path)] if source == "array_record" else sources.expand(path, what)
+        for f in files:
+            real = os.path.realpath(f)
+            if owner.setdefault(real, name) != name:
+                raise ConfigError(f"config.data.mixture entries {owner[real]!r} and {name!r} both hold {real}: "
+                                  f"each holds out its own eval documents, so the eval documents of one would "
+                                  f"be trained on by the other; give each file to one entry (narrow the "
+                                  f"path of one so that it leaves the file out)")
 
 
 def _check_held_out(source: str, path: str, eval_path: str) -> None:

@@ -6,10 +6,13 @@
 
 Inputs (comma-separated paths or globs): text (one document a line) and JSONL, plain,
 gzip or zstd; Parquet files (the --field column, read by row groups); a directory
-saved by `datasets`' save_to_disk. The inputs are cut into units (hetjax/data/
-readers.py) that N processes (default: every core) tokenize in batches, each unit
-into its own shards DIR/shard-UUUUU-KKK.array_record (one record per document: its
-token ids as little-endian int32, no BOS/EOS). A finished unit is recorded in
+saved by `datasets`' save_to_disk. Without --format a text/JSONL file's name says which
+(.jsonl or .json, any case, before .gz/.zst: JSONL; else text), and names that disagree
+are refused; a file named twice is refused too. A UTF-8 BOM opening a file is dropped.
+The inputs are cut into units (hetjax/data/readers.py) that N processes (default:
+every core) tokenize in batches, each unit into its own shards
+DIR/shard-UUUUU-KKK.array_record (one record per document: its token ids as
+little-endian int32, no BOS/EOS). A finished unit is recorded in
 DIR/.progress, so a run that was interrupted continues where it stopped. Then
 DIR/lengths.npy (every document's token count) and the manifest DIR/meta.json
 (source files with sizes and SHA-256, the tokenizer's hash and BOS/EOS, token
@@ -39,8 +42,23 @@ OPTIONS = {"--input": None, "--output": None, "--format": "", "--field": "text",
 
 
 def _format(path: Path) -> str:
-    name = path.name.removesuffix(".gz").removesuffix(".zst").removesuffix(".zstd")
+    name = path.name.lower().removesuffix(".gz").removesuffix(".zst").removesuffix(".zstd")
     return "jsonl" if name.endswith((".jsonl", ".json")) else "text"
+
+
+def _line_format(files: list[Path], input: str) -> str:
+    """The format of every text/JSONL input by its name (Parquet and Arrow have columns, no
+    format); ConfigError when they disagree: one prepare reads all its lines one way."""
+    found: dict[str, list[str]] = {}
+    for f in files:
+        if readers.kind(f) not in ("parquet", "arrow"):
+            found.setdefault(_format(f), []).append(str(f))
+    if len(found) > 1:
+        listed = "; ".join(f"{k}: {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}" for k, v in found.items())
+        raise ConfigError(f"--input={input!r} mixes formats by file name ({listed}); give --format=text or "
+                          f"--format=jsonl if every file holds that, or prepare each format into its own "
+                          f"directory and train on both with config.data.mixture")
+    return next(iter(found), "text")  # only Parquet/Arrow: the format is not used
 
 
 def _sha256(path: str) -> str:
@@ -101,7 +119,7 @@ def prepare(input: str, output: str, *, fmt: str = "", field: str = "text", toke
     from tqdm import tqdm
 
     files = readers.expand(input, "--input")
-    fmt = fmt or _format(files[0])
+    fmt = fmt or _line_format(files, input)
     if fmt not in sources.FORMATS:
         raise ConfigError(f"--format={fmt!r}: choose one of {sources.FORMATS}")
     tok = tokenizers.load(tokenizer)

@@ -44,6 +44,9 @@ def expand(patterns: str, what: str = "--input") -> list[Path]:
         files += sources.expand(rest or pattern, what) if rest or not matches else []
     if not files:
         raise DataError(f"{what}={patterns!r}: no files; give files, globs or a saved dataset directory")
+    # sources.expand checks one pattern's files; a file named by two patterns (or a saved
+    # dataset's Arrow file named beside its directory) would be prepared twice
+    sources.check_once(files, patterns, what)
     return files
 
 
@@ -63,13 +66,18 @@ def hf_dataset_files(root: Path, what: str) -> list[Path]:
     return [root / n for n in names]
 
 
+def kind(path: Path) -> str:
+    """plain | gzip | zstd | parquet | arrow (a saved dataset's file: by name, Arrow streams have no magic)."""
+    return "arrow" if path.suffix.lower() == ".arrow" else sources.kind(path)
+
+
 def units(files: list[Path], field: str, chunk_bytes: int = 64 << 20, row_groups: int = 4) -> list[Unit]:
     """The inputs cut into independently readable units, in document order. DataError
     (before any process starts) unless every Parquet file and saved dataset has the
     column `field`."""
     out: list[Unit] = []
     for f in files:
-        k = "arrow" if f.suffix == ".arrow" else sources.kind(f)
+        k = kind(f)
         if k == "plain":
             size = f.stat().st_size
             out += [Unit(str(f), k, a, min(a + chunk_bytes, size)) for a in range(0, size, chunk_bytes)]
@@ -147,7 +155,9 @@ def _lines(unit: Unit):
                 if not line:
                     break
                 lineno += 1  # exact in the file's first unit; later ones name the byte
-                yield lineno if unit.start == 0 else f"byte {pos}", line.rstrip(b"\r\n")
+                # a BOM is dropped where the file starts, as sources.iter_documents does
+                body = line[len(sources.BOM):] if pos == 0 and line.startswith(sources.BOM) else line
+                yield lineno if unit.start == 0 else f"byte {pos}", body.rstrip(b"\r\n")
                 pos += len(line)
         return
     broken: tuple = (OSError, EOFError, zlib.error)
@@ -161,6 +171,8 @@ def _lines(unit: Unit):
     with stream:
         try:
             for lineno, line in enumerate(stream, 1):
+                if lineno == 1 and line.startswith(sources.BOM):
+                    line = line[len(sources.BOM):]
                 yield lineno, line.rstrip(b"\r\n")
         except broken as e:
             raise DataError(f"{unit.path}: corrupt {unit.kind} data after line {lineno} ({e}); the "

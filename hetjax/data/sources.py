@@ -40,17 +40,32 @@ def expand(patterns: str, field: str = "config.data.path") -> list[Path]:
         files += [Path(m) for m in matches if Path(m).is_file()]
     if not files:
         raise DataError(f"{field}={patterns!r}: no files; give a path or glob of text/JSONL files")
-    real = [os.path.realpath(f) for f in files]
-    if len(set(real)) < len(real):
-        twice = sorted({str(f) for f, r in zip(files, real) if real.count(r) > 1})
-        raise DataError(f"{field}={patterns!r}: {', '.join(twice[:3])} matched twice; each file is read once, "
-                        f"so name it once (a mixture weighs sources: config.data.mixture)")
+    check_once(files, patterns, field)
     for f in files:
         if not os.access(f, os.R_OK):
             raise DataError(f"{f}: cannot be read (permission denied)")
         if f.stat().st_size == 0:
             raise DataError(f"{f}: the file is empty")
     return files
+
+
+def check_once(files: list[Path], patterns: str, field: str) -> None:
+    """DataError when two names (patterns, links) resolve to one file: its documents would repeat."""
+    real = [os.path.realpath(f) for f in files]
+    if len(set(real)) < len(real):
+        twice = sorted({str(f) for f, r in zip(files, real) if real.count(r) > 1})
+        raise DataError(f"{field}={patterns!r}: {', '.join(twice[:3])} matched twice; each file is read once, "
+                        f"so name it once (a mixture weighs sources: config.data.mixture)")
+
+
+# A UTF-8 byte order mark that some editors write at a file's start: not text, so not
+# part of the first document (JSON refuses it). Offsets still count it (they are bytes).
+BOM = b"\xef\xbb\xbf"
+
+
+def has_bom(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(3) == BOM
 
 
 def iter_documents(files: list[Path], fmt: str, field: str, skip_bad: bool, skipped: list):
@@ -63,10 +78,10 @@ def iter_documents(files: list[Path], fmt: str, field: str, skip_bad: bool, skip
             data = path.read_bytes()
         except OSError as e:
             raise DataError(f"{path}: cannot be read ({e.strerror})") from None
-        offset = 0
+        offset = len(BOM) if data.startswith(BOM) else 0
         # Lines end at LF only, as prepare reads them (readers._lines): a lone CR stays in
         # its document (bytes.splitlines cut there too, so the two paths disagreed).
-        for lineno, line in enumerate(data.split(b"\n"), 1):
+        for lineno, line in enumerate(data[offset:].split(b"\n"), 1):
             start, offset = offset, offset + len(line) + 1
             body = line.rstrip(b"\r\n")
             if not body.strip():
@@ -145,12 +160,16 @@ class TextSource:
         key = hashlib.sha256(json.dumps([stats, *options]).encode()).hexdigest()[:20]
         cache = Path(index_dir or Path(self.files[0]).parent / ".hetjax-index") / f"{key}.npz"
         index = dict(np.load(cache)) if cache.is_file() else {}
-        if "lone_cr" not in index:  # none, or cached before lines ended at LF only
+        bom = any(has_bom(f) for f in self.files)
+        # none, or cached before lines ended at LF only, or (a file with a BOM) before it was dropped
+        if "lone_cr" not in index or bom and "bom" not in index:
             index = self._build_index(skip_bad)
             _save_atomic(cache, index)
         # Files with a lone CR split into other documents than before lines ended at LF
-        # only: their fingerprint says so (a resume of a run begun before is refused).
+        # only, and a BOM left the first document: their fingerprint says so (a resume of
+        # a run begun before is refused); other files' fingerprints are what they were.
         lf = ["lines end at LF"] if index["lone_cr"].any() else []
+        lf += ["BOM dropped"] if bom else []
         content = hashlib.sha256(json.dumps([[str(h) for h in index["sha256"]], *options, *lf]).encode())
         self.fingerprint = f"{fmt}:{content.hexdigest()[:20]}"
         self.file_ids, self.offsets, self.sizes = index["file_id"], index["offset"], index["size"]
@@ -187,7 +206,8 @@ class TextSource:
             digests.append(hashlib.sha256(raw).hexdigest())
             lone_cr.append(_LONE_CR.search(raw) is not None)
         return {"file_id": cols[:, 0], "offset": cols[:, 1], "size": cols[:, 2], "tokens": cols[:, 3],
-                "skipped": np.int64(len(skipped)), "sha256": np.asarray(digests), "lone_cr": np.asarray(lone_cr)}
+                "skipped": np.int64(len(skipped)), "sha256": np.asarray(digests), "lone_cr": np.asarray(lone_cr),
+                "bom": np.True_}  # built with the BOM dropped
 
     def __getstate__(self):  # open files stay in their process
         return {**self.__dict__, "_handles": {}}
