@@ -169,8 +169,10 @@ class MeshJob:
                                                   peer_timeout_s=cfg.hetero.timeout_s)
             # An uneven split's padded rows: (3, 1) and (1, 3) have the same shapes, and a
             # checkpoint of one would load into the other scrambled (checkpoint_fit.check_split).
+            # Checked for an even run too: a padded checkpoint's shapes are not the model's, and
+            # the shape check's advice (change config.model) was wrong there.
             split = tuple(cfg.pipeline.stage_layers) if prog.plan is not None and prog.plan.layout.padded else None
-            check = None if split is None else lambda config, where: checkpoint_fit.check_split(
+            check = lambda config, where: checkpoint_fit.check_split(  # noqa: E731
                 config, split, where, "resume with that split (config.mesh.pipeline and "
                                       "config.pipeline.stage_layers); no other uneven split can read this checkpoint")
             # The checkpoint to resume (or config.init_from's) must fit this run: said from

@@ -161,16 +161,18 @@ def main(argv: list[str] | None = None) -> int:
             # waiting for the host.
             flush()
             previous = (s, step_metrics)
+            job.check_identical(state, s + 1)  # islands that must agree bit for bit, every N steps
+            # With islands: agreed by all, so all save the same step. A stop during the last
+            # step finishes the run instead (its final eval too), as a resume would do nothing.
+            stop = job.stop_requested and s + 1 < cfg.steps
+            if stop:  # saved before an eval due now: a preemption's grace may not cover the eval
+                save(s + 1)
             # The final eval too goes before the last step's save: a run killed once that
             # checkpoint is written resumes at config.steps, with nothing left to do.
             if cfg.eval_every and ((s + 1) % cfg.eval_every == 0 or s + 1 == cfg.steps):
                 flush()
                 evaluate(s)
-            job.check_identical(state, s + 1)  # islands that must agree bit for bit, every N steps
-            # With islands: agreed by all, so all save the same step. A stop during the last
-            # step finishes the run instead (its final eval too), as a resume would do nothing.
-            stop = job.stop_requested and s + 1 < cfg.steps
-            if stop or ckpt.should_save(s + 1):
+            if not stop and ckpt.should_save(s + 1):
                 save(s + 1)
             if stop:
                 ckpt.wait()
@@ -182,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             save(cfg.steps)
     finally:
         failed = sys.exc_info()[0] is not None  # the error on its way out
+        if failed and previous is not None:  # the last step that finished keeps its row
+            try:
+                flush()
+            except Exception:  # noqa: BLE001 - a broken device, or a diverged step: the first error stands
+                pass
         # signals last: a second Ctrl-C while closing still exits at once.
         stop_lib.close_all(profiler.close, clock.close, batches.close, lambda: writer.close(failed=failed),
                            recorder.close, ckpt.close, job.close, signals.close)

@@ -583,6 +583,10 @@ def test_an_uneven_split_s_checkpoint_is_refused_by_another_uneven_split(tmp_pat
         train.main([*uneven, "--config.steps=2", "--config.pipeline.stage_layers=(3,1)"])
     assert not reads, "the checkpoint's arrays were read before its split was checked"
     assert train.main([*uneven, "--config.steps=2", "--config.pipeline.stage_layers=(1,3)"]) == 0  # the same resumes
+    # Resumed unpipelined, it was refused by the shape check, which advised changing config.model.
+    with pytest.raises(ConfigError, match=r"holds its layers as the uneven pipeline split stage_layers=\(1, 3\) .*"
+                                          r"needs them in the model's order; resume with that split"):
+        train.main([*args, f"--config.run_dir={run_dir}", "--config.steps=3", "--config.mesh.fsdp=-1"])
     for other in (["--config.mesh.pipeline=2", "--config.pipeline.stage_layers=(3,1)"], ["--config.mesh.pipeline=1", "--config.mesh.fsdp=8"]):
         with pytest.raises(ConfigError, match=r"config.init_from: .* holds its layers as the uneven pipeline "
                                               r"split stage_layers=\(1, 3\) lays them out"):

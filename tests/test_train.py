@@ -303,6 +303,47 @@ def test_a_sigterm_in_the_last_step_finishes_the_run_with_its_final_eval(tmp_pat
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())[-1] == str(steps)
 
 
+def test_a_stop_saves_before_an_eval_due_at_its_step_and_a_failed_step_keeps_the_rows_before_it(tmp_path, monkeypatch):
+    """A SIGTERM during the step before an eval boundary waited for the whole eval before it
+    saved: a preemption's grace period could run out first, and its SIGKILL lose the
+    checkpoint. And a step that raised lost the metrics row of the step before it, which
+    had finished (it waited on the device for the next step's flush)."""
+    from hetjax import checkpoint
+    from hetjax import job as job_lib
+    real_save, real_step, seen, calls = checkpoint.Manager.save, job_lib.MeshJob.train_step, {}, []
+
+    def save(self, step, *args):
+        log = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        seen[step] = sorted(json.loads(l)["step"] for l in log if "eval_loss" in json.loads(l))
+        return real_save(self, step, *args)
+
+    def train_step(self, state, batch):  # SIGTERM's handler, as during step index 2
+        calls.append(1)
+        if len(calls) == 3:
+            self.request_stop()
+        return real_step(self, state, batch)
+    monkeypatch.setattr(checkpoint.Manager, "save", save)
+    monkeypatch.setattr(job_lib.MeshJob, "train_step", train_step)
+    args = ("--config.eval_every=3", "--config.eval_batches=1", "--config.checkpoint.every=0",
+            "--config.tensorboard=false", "--config.model.num_layers=1")
+    code, _, rows = run_main(tmp_path, "--config.steps=6", *args)
+    assert code == 143
+    assert seen == {3: []}  # saved before the eval due after step index 2
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2]  # which still ran, after the save
+
+    def fails_at_3(self, state, batch):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("RESOURCE_EXHAUSTED: a step that ran out of memory")
+        return real_step(self, state, batch)
+    calls.clear()
+    monkeypatch.setattr(job_lib.MeshJob, "train_step", fails_at_3)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        run_main(tmp_path / "b", "--config.steps=6", *args)
+    rows = [json.loads(l) for l in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [0, 1, 2]  # step index 2 finished: its row stays
+
+
 def test_the_final_eval_is_logged_before_the_final_checkpoint_is_saved(tmp_path, monkeypatch):
     """A run killed once its last step's checkpoint was written resumes at config.steps and
     does nothing more: its final eval must already be in metrics.jsonl by then. (It was
