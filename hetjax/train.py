@@ -165,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             # With islands: agreed by all, so all save the same step. A stop during the last
             # step finishes the run instead (its final eval too), as a resume would do nothing.
             stop = job.stop_requested and s + 1 < cfg.steps
-            if stop:  # saved before an eval due now: a preemption's grace may not cover the eval
+            if stop:  # saved, and written, before an eval due now: a preemption's grace may not cover both
                 save(s + 1)
+                ckpt.wait()
             # The final eval too goes before the last step's save: a run killed once that
             # checkpoint is written resumes at config.steps, with nothing left to do.
             if cfg.eval_every and ((s + 1) % cfg.eval_every == 0 or s + 1 == cfg.steps):

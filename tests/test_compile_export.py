@@ -108,8 +108,10 @@ def test_loading_refuses_other_meshes_jax_versions_configs_and_corruption(tmp_pa
                                compile=dataclasses.replace(CFG.compile, cache=False))
     export.check(manifest, same, make_mesh(same.mesh))
     # config.steps ends the learning rate's cosine unless config.optim.decay_steps does.
-    with pytest.raises(export.ArtifactMismatch, match=r"fields that differ: config\.steps\)"):
+    with pytest.raises(export.ArtifactMismatch, match=r"fields that differ: config\.optim\.decay_steps\)"):
         export.check(manifest, dataclasses.replace(CFG, steps=4), mesh)
+    ends_at_steps = dataclasses.replace(CFG, optim=dataclasses.replace(CFG.optim, decay_steps=CFG.steps))
+    export.check(manifest, ends_at_steps, mesh)  # the same schedule, said the other way
     decayed = dataclasses.replace(CFG, optim=dataclasses.replace(CFG.optim, decay_steps=3))
     assert export.program_fields(to_dict(decayed)) == export.program_fields(to_dict(
         dataclasses.replace(decayed, steps=4)))

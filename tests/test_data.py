@@ -344,12 +344,13 @@ def test_an_hf_tokenizer_encodes_special_token_text_as_text_and_counts_its_highe
 
 def test_data_settings_their_source_ignores_are_refused():
     """Forgetting config.data.source=jsonl trained on the synthetic language, the path,
-    eval_path and tokenizer given unread; a mixture left config.data.path unread too."""
+    eval_path and tokenizer given unread."""
     from hetjax.config import Config, ConfigError, DataConfig, validate
     for given in (dict(path="web/*.jsonl"), dict(eval_path="held.jsonl"), dict(tokenizer="tok.json")):
         with pytest.raises(ConfigError, match=rf"config.data.{next(iter(given))}=.*unread, as source='synthetic' .*"
                                               r"set config.data.source=text, jsonl or array_record"):
             validate(Config(data=DataConfig(**given)))
-    with pytest.raises(ConfigError, match=r"config.data.path='web/\*.jsonl', config.data.source='jsonl': unread"):
-        validate(Config(data=DataConfig(mixture=(("a", 1.0, "jsonl", "x"),), path="web/*.jsonl", source="jsonl")))
+    # A mixture's own sources are read; a config file's source and path may stay set (tiny_text's).
+    validate(Config(data=DataConfig(mixture=(("a", 1.0, "jsonl", "x"),), path="data/tiny_text", source="array_record",
+                                    tokenizer="tok.json")))
     validate(Config(data=DataConfig(source="jsonl", path="web/*.jsonl", tokenizer="tok.json")))  # read

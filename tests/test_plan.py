@@ -141,6 +141,9 @@ def test_fits_means_the_trainer_would_start_it_too():
     assert plan.fits_text(e) == "no (peak,est)"
     e = plan.estimate_step({**report, "estimate_bytes": 0.85 * hw.memory_bytes}, hw)
     assert e["fits"] and plan.fits_text(e) == "yes"
+    # Of the memory jax's GPU allocator takes (its bytes_limit, 0.75 by default), as the trainer reads it.
+    e = plan.estimate_step({**report, "estimate_bytes": 0.7 * hw.memory_bytes, "allocator_fraction": 0.75}, hw)
+    assert plan.fits_text(e) == "no (est)"
 
 
 def test_the_planner_refuses_what_the_trainer_refuses_before_compiling(tmp_path, capsys, monkeypatch):

@@ -49,8 +49,8 @@ def program_fields(config: dict) -> dict:
     """The dotted config keys and values (as JSON has them) the exported program depends on."""
     flat = _dotted(json.loads(json.dumps(config)))
     kept = {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in PROGRAM_FIELDS)}
-    if not flat.get("optim.decay_steps"):  # 0: the learning rate's cosine ends at config.steps
-        kept["steps"] = flat.get("steps")
+    # decay_steps=0: the learning rate's cosine ends at config.steps; the schedule's end either way
+    kept["optim.decay_steps"] = flat.get("optim.decay_steps") or flat.get("steps")
     return kept
 
 

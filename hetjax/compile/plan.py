@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 
@@ -72,8 +73,9 @@ def estimate_step(report: dict, hw: hardware.Hardware) -> dict:
     # (hetjax.memory.check_fits: its analytic estimate within config.memory_fraction of the
     # memory), which refuses a run before it compiles; a plan must not recommend what
     # hetjax.train refuses.
-    fits_peak = report["peak_bytes"] <= hw.memory_bytes
-    fits_estimate = report["estimate_bytes"] <= report["memory_fraction"] * hw.memory_bytes
+    usable = report.get("allocator_fraction", 1.0) * hw.memory_bytes
+    fits_peak = report["peak_bytes"] <= usable
+    fits_estimate = report["estimate_bytes"] <= report["memory_fraction"] * usable
     return {"compute_s": compute, "memory_s": mem, "collective_s": comm, "step_s": step_time,
             "mfu": report["model_flops"] / step_time / hw.peak_flops,
             "fits": fits_peak and fits_estimate, "fits_peak": fits_peak, "fits_estimate": fits_estimate}
@@ -117,6 +119,9 @@ def plan(cfg, mesh, hardware_names=DEFAULT_HARDWARE, prog: program.Program | Non
         "activation_bytes": est.activations,  # analytic
         "estimate_bytes": est.total,  # what hetjax.train's memory check compares, analytic
         "memory_fraction": cfg.memory_fraction,
+        # jax's GPU allocator takes this share of a device (its bytes_limit, which the
+        # trainer's check reads), not all of it.
+        "allocator_fraction": float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75)),
         "temp_bytes": compiler["temp_bytes"],  # compiler: activations, gradients, scratch
         "peak_bytes": compiler["peak_bytes"],
         "flops": counted["flops"],
@@ -147,8 +152,9 @@ def table(reports: list[dict]) -> str:
                          + f" {name:>7} {e['step_s']:8.3f} {e['mfu']:6.1%} {fits_text(e):>13}")
     lines.append("per device, GiB / TFLOP / GB per step; activations analytic, temp and peak from the "
                  "compiler (CPU); step = max(compute, HBM) + collectives, no overlap; fits: the "
-                 "compiled peak within the memory and the trainer's estimate (hetjax.memory) within "
-                 f"config.memory_fraction={reports[0]['memory_fraction']} of it")
+                 f"compiled peak within the {reports[0]['allocator_fraction']:g} of the memory jax's allocator "
+                 f"takes (XLA_PYTHON_CLIENT_MEM_FRACTION) and the trainer's estimate (hetjax.memory) within "
+                 f"config.memory_fraction={reports[0]['memory_fraction']} of that")
     return "\n".join(lines)
 
 

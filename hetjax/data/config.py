@@ -56,16 +56,13 @@ def validate_data(cfg) -> None:
                           f"sources each hold out config.data.eval_fraction of their documents for eval; "
                           f"drop eval_path, or set config.data.eval_fraction")
     # Settings their source ignores: a run that forgot config.data.source trained on the
-    # synthetic language, never saying the path it was given went unread.
-    if d.mixture:
-        ignored = [f"{k}={getattr(d, k)!r}" for k in ("path", "source") if getattr(d, k) != getattr(DataConfig, k)]
-        why, fix = "config.data.mixture names each source's own path and kind", "drop them"
-    else:
-        ignored = [f"{k}={getattr(d, k)!r}" for k in ("path", "eval_path", "tokenizer")
-                   if d.source == "synthetic" and getattr(d, k) != getattr(DataConfig, k)]
-        why, fix = "source='synthetic' makes its own token ids", "set config.data.source=text, jsonl or array_record"
+    # synthetic language, never saying the path it was given went unread. (A mixture's
+    # config.data.source/path are left alone: a config file's own, e.g. tiny_text's, stay set.)
+    ignored = [f"{k}={getattr(d, k)!r}" for k in ("path", "eval_path", "tokenizer")
+               if d.source == "synthetic" and not d.mixture and getattr(d, k) != getattr(DataConfig, k)]
     if ignored:
-        raise ConfigError(f"config.data.{', config.data.'.join(ignored)}: unread, as {why}; {fix}")
+        raise ConfigError(f"config.data.{', config.data.'.join(ignored)}: unread, as source='synthetic' makes "
+                          f"its own token ids; set config.data.source=text, jsonl or array_record")
     if d.source != "synthetic" and not d.path and not d.mixture:
         raise ConfigError(f"config.data.source={d.source!r} needs config.data.path (files, globs "
                           f"or a prepared directory)")

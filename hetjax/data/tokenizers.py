@@ -81,7 +81,7 @@ class HFTokenizer(_Reloaded):
             raise ConfigError(f"config.data.tokenizer={path!r}: not a tokenizer.json ({e})") from None
         # A document's text is text: "<|endoftext|>" quoted in it is not an EOS, as with
         # tiktoken's encode_ordinary (the same Llama 3 text gave other ids from each file).
-        self._tok.encode_special_tokens = True
+        self._tok.encode_special_tokens = True  # tokenizers >= 0.15.1 (pyproject's extras say so)
         # The embedding needs a row for the highest id, which ids not counted from 0 exceed.
         self.vocab_size = 1 + max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
         extra = _tokenizer_config(Path(path).parent)
