@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     def flush():
         # Report the step whose metrics are still on the device.
         nonlocal previous
-        if previous is not None:
-            report(*previous)
-            previous = None
+        if previous is not None:  # taken first: a report that raised (a NaN) is not asked again
+            pending, previous = previous, None
+            report(*pending)
 
     def save(s):
         flush()  # every step before a checkpoint is in metrics.jsonl
