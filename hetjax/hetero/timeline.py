@@ -33,6 +33,7 @@ RUN_DIR/timeline.png.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -118,10 +119,8 @@ class Timeline:
         watched so that the device track shows when the device finished each program."""
         def call(*args, label: str = ""):  # label: this call's name in the trace (F3, B0...)
             t = time.perf_counter()
-            if self.recording:  # the window's jax.profiler trace names the call as this one does
-                with jax.profiler.TraceAnnotation(label or name):
-                    out = fn(*args)
-            else:
+            # The window's jax.profiler trace names the call as this one does.
+            with jax.profiler.TraceAnnotation(label or name) if self.recording else contextlib.nullcontext():
                 out = fn(*args)
             end = time.perf_counter()
             self.add("dispatch", label or name, t, end)
@@ -203,10 +202,8 @@ class Timeline:
                  for i, t in enumerate(TRACKS)]
         # Which job wrote the file: merge keeps the files whose steps ran while the newest
         # file's did (the islands of one job step together), not an earlier job's.
-        steps = [e for e in events if e.get("cat") == "step"] or [e for e in events if "dur" in e]
-        span = ([min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)] if steps
-                else [min(e["ts"] for e in events), max(e["ts"] for e in events)])
-        other = {"island": self.island, "rank": self.rank, "window": list(self.window or ()), "span_us": span}
+        other = {"island": self.island, "rank": self.rank, "window": list(self.window or ()),
+                 "span_us": list(_span({"traceEvents": events}))}
         path = Path(run_dir) / "trace" / f"{self.island}-{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         # Written whole or not at all: a kill mid-write used to leave a cut file that merge choked on.
