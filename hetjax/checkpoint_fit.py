@@ -170,8 +170,13 @@ def check_resumable(checkpoints) -> None:
     """Refuses a checkpoint directory of weights only (hetjax.convert's import, an export)
     given as the run's own, before anything compiles or moves: resumed, each step lacks
     the optimizer state and data iterator, and would be set aside as damaged."""
-    held = [items for step in checkpoints.steps() if (items := checkpoints.items(step)) is not None]
-    if held and not any("opt_state" in items for items in held):
+    read = False
+    for step in reversed(checkpoints.steps()):  # newest first: a run's own answers at its first readable step
+        items = checkpoints.items(step)  # None: unreadable, left to the restore to set aside
+        if items is not None and "opt_state" in items:
+            return
+        read = read or items is not None
+    if read:
         raise ConfigError(
             f"config.checkpoint.dir={checkpoints.directory} holds weights only (no optimizer state or data "
             f"iterator: an import or export), not a run's checkpoints to resume; start from it with "
