@@ -272,3 +272,39 @@ def test_a_local_receive_owns_its_memory_refuses_a_twin_and_names_a_deleted_send
     with pytest.raises(TransferError, match="recv 'late': this endpoint is closed"):
         b.recv("late", jax.ShapeDtypeStruct((8, 4), np.float32, sharding=same), same).wait()
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("backend", ["local", "direct"])
+def test_closed_local_and_direct_endpoints_refuse_sends_and_receives_and_direct_refuses_a_twin(backend):
+    """close() did nothing on these two backends: a receive waiting on a closed `local`
+    endpoint waited out timeout_s, and later sends and receives were taken. `direct` took
+    a second receive of a tag in flight, which pulled the first one's offer."""
+    import time
+    same = sharding(jax.devices()[:4], ("x",), ("x",))
+    like = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=same)
+    y = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), same)
+    a, b = endpoints(backend, timeout_s=30)
+    try:
+        r = b.recv("twin", like, same, peers={0: a.addresses})
+        with pytest.raises(TransferError, match="'twin': a receive with this tag is already posted"):
+            b.recv("twin", like, same, peers={0: a.addresses})
+        h = a.send(y, "twin", same, peers={0: b.addresses})
+        np.testing.assert_array_equal(np.asarray(r.wait()), np.asarray(y))
+        h.wait()
+        out, _, _ = move(a, b, y, same, tag="twin")  # done, the tag is free again
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(y))
+        if backend == "local":  # a waiting receive ends with its endpoint, not at timeout_s
+            waiting = b.recv("waiting", like, same)
+            threading.Timer(0.2, b.close).start()
+            start = time.monotonic()
+            with pytest.raises(TransferError, match="recv 'waiting': this endpoint was closed"):
+                waiting.wait()
+            assert time.monotonic() - start < 5
+        b.close()
+        with pytest.raises(TransferError, match="recv 'late': this endpoint is closed"):
+            b.recv("late", like, same, peers={0: a.addresses})
+        a.close()
+        with pytest.raises(TransferError, match="send 'late': this endpoint is closed"):
+            a.send(y, "late", same, peers={0: b.addresses})
+    finally:
+        a.close(), b.close()

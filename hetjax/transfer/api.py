@@ -40,6 +40,7 @@ class Endpoint:
     # What this process is doing (e.g. "compiling", "step 12"), told to a peer that pings
     # it (host) while it sends nothing; its owner keeps it current.
     status = "running"
+    closed = False
 
     def __init__(self, cfg: LinkConfig, process_index: int | None = None):
         cfg.validate()
@@ -53,7 +54,12 @@ class Endpoint:
         raise NotImplementedError
 
     def close(self) -> None:
-        pass
+        self.closed = True
+
+    def check_open(self, what: str) -> None:
+        """Refuses a send or receive on a closed endpoint: no peer's message would land."""
+        if self.closed:
+            raise TransferError(f"{what}: this endpoint is closed")
 
     def copied(self, tag: str, start: float) -> None:
         """Reports a copy from `start` until now to the observer, if any."""

@@ -82,6 +82,7 @@ class DirectEndpoint(Endpoint):
         self._conns: dict[str, object] = {}
         self._descriptors: dict[tuple, jax.Array] = {}
         self._lock = threading.Lock()
+        self._posted: set[str] = set()  # tags of receives in flight: a twin would pull the same offer
 
     def _uuid(self, tag, p, q, avals, src, dst) -> int:
         """The offer's id; with avals None, the id of its descriptor."""
@@ -91,6 +92,7 @@ class DirectEndpoint(Endpoint):
 
     def send(self, tree, tag, dst, peers=None):
         leaves, plans, dst_layouts = self.prepare_send(tree, tag, dst)
+        self.check_open(f"send {tag!r}")
         src_layouts = core.layouts([x.sharding for x in leaves])
         by_dst: dict[int, list] = {}
         for i, plan in enumerate(plans):
@@ -129,9 +131,25 @@ class DirectEndpoint(Endpoint):
                 sds = jax.ShapeDtypeStruct(shape, aval.dtype, sharding=SingleDeviceSharding(receivers[piece.dst]))
                 wanted.setdefault(piece.src_process, []).append((i, piece, sds))
         core.check_peers(peers, wanted, f"recv {tag!r}", "source")
+        self.check_open(f"recv {tag!r}")
+        with self._lock:
+            if tag in self._posted:
+                raise TransferError(f"recv {tag!r}: a receive with this tag is already posted; tags must be "
+                                    f"unique in flight")
+            self._posted.add(tag)
         handle = core.Handle(None, f"recv {tag!r}")
         handle.watch(None, self.cfg.timeout_s)  # bounds the fan-out; pulls have their own wait
-        return handle.run(self._receive, tag, expect, src_layouts, wanted, peers, handle)
+        try:
+            handle.run(self._receive, tag, expect, src_layouts, wanted, peers, handle)
+        except BaseException:
+            self._unpost(tag)
+            raise
+        handle.future.add_done_callback(lambda _: self._unpost(tag))
+        return handle
+
+    def _unpost(self, tag: str) -> None:
+        with self._lock:
+            self._posted.discard(tag)
 
     def _connection(self, address):
         with self._lock:

@@ -30,6 +30,7 @@ def drop(prefix: str, contains: str) -> None:
 class LocalEndpoint(Endpoint):
     def send(self, tree, tag, dst, peers=None):
         leaves, plans, _ = self.prepare_send(tree, tag, dst)
+        self.check_open(f"send {tag!r}")
         with _arrived:
             if tag in _mailbox:  # it would replace the message not yet received
                 raise TransferError(f"send {tag!r}: a message with this tag is still waiting for its receive; "
@@ -42,6 +43,7 @@ class LocalEndpoint(Endpoint):
 
     def recv(self, tag, like, src, peers=None):
         expect = self.prepare_recv(tag, like, src)
+        self.check_open(f"recv {tag!r}")
         with _arrived:
             if tag in _posted:
                 raise TransferError(f"recv {tag!r}: a receive with this tag is already posted; tags must be "
@@ -50,11 +52,18 @@ class LocalEndpoint(Endpoint):
         handle = core.Handle(None, f"recv {tag!r}")
         return handle.run(self._receive, tag, expect, handle)
 
+    def close(self) -> None:
+        super().close()
+        with _arrived:  # wakes this endpoint's waiting receives, which then fail
+            _arrived.notify_all()
+
     def _receive(self, tag, expect, handle):
         with _arrived:
             try:
                 while tag not in _mailbox:
                     _arrived.wait(timeout=0.05)
+                    if tag not in _mailbox and self.closed:  # its waiter would wait out timeout_s
+                        raise TransferError(f"recv {tag!r}: this endpoint was closed")
                     if tag not in _mailbox and handle.overdue(self.cfg.timeout_s):
                         raise TransferTimeout(f"recv {tag!r}: nothing was sent within {self.cfg.timeout_s:g} s "
                                               f"of waiting for it (LinkConfig.timeout_s)")
