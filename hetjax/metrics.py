@@ -114,19 +114,60 @@ class WandbConfig:
     mode: str = ""  # online | offline | disabled; "": WANDB_MODE, else online
 
 
+# wandb's own modes (its Settings.mode); those that talk to the server need a login.
+WANDB_ENV_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
+WANDB_ONLINE = ("online", "shared", "run")
+WANDB_PROJECT_BAD = "/\\#?%:"  # characters W&B refuses in a project name
+
+
 def validate_wandb(w: WandbConfig) -> None:
-    """Checks the section; with a project set, that wandb is installed (before compiling)."""
+    """Checks the section; with a project set, that wandb is installed and, for a run that
+    talks to the server, logged in (before compiling: wandb would stop the run at its start)."""
     if w.mode not in WANDB_MODES:
         raise ConfigError(f"config.wandb.mode={w.mode!r}: use one of {', '.join(repr(m) for m in WANDB_MODES)}")
-    if w.project:
-        cli.need("wandb", "wandb", f"config.wandb.project={w.project!r}")
-        mode = w.mode or os.environ.get("WANDB_MODE", "online")
-        if mode in ("online", "run") and not _wandb_logged_in():
-            # Found now, not after the step compiled: wandb would stop the run at its start.
-            raise ConfigError(
-                f"config.wandb.project={w.project!r}: this machine is not logged in to W&B (no "
-                f"WANDB_API_KEY, no entry in ~/.netrc); run `wandb login`, or log without a network "
-                f"with --config.wandb.mode=offline (or WANDB_MODE=offline) and `wandb sync` later")
+    if not w.project:
+        return
+    if bad := sorted({c for c in w.project if c in WANDB_PROJECT_BAD}):
+        raise ConfigError(f"config.wandb.project={w.project!r}: W&B refuses {' '.join(bad)} in a project name; "
+                          f"give the team or user as config.wandb.entity and the project alone "
+                          f"(e.g. --config.wandb.entity=myteam --config.wandb.project=hetjax)")
+    cli.need("wandb", "wandb", f"config.wandb.project={w.project!r}")
+    mode, source = _wandb_mode(w)
+    if mode not in WANDB_ENV_MODES:
+        raise ConfigError(f"{source}={mode!r} is not a W&B mode: use one of {', '.join(WANDB_ENV_MODES)} "
+                          f"(or leave it unset for online)")
+    if mode in WANDB_ONLINE and not _wandb_logged_in():
+        raise ConfigError(
+            f"config.wandb.project={w.project!r}: this machine is not logged in to W&B (no "
+            f"WANDB_API_KEY, no entry in ~/.netrc); run `wandb login`, or log without a network "
+            f"with --config.wandb.mode=offline (or WANDB_MODE=offline) and `wandb sync` later")
+
+
+def _wandb_mode(w: WandbConfig) -> tuple[str, str]:
+    """(mode, where it was set) as wandb resolves it: the config, else WANDB_MODE, else the
+    mode `wandb offline` keeps in ./wandb/settings, else the one in wandb's settings file
+    (WANDB_CONFIG_DIR or ~/.config/wandb), else online."""
+    if w.mode:
+        return w.mode, "config.wandb.mode"
+    if "WANDB_MODE" in os.environ:
+        return os.environ["WANDB_MODE"], "WANDB_MODE"
+    folder = os.environ.get("WANDB_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".config", "wandb")
+    for path in (os.path.join("wandb", "settings"), os.path.join(folder, "settings")):
+        mode = _wandb_setting(path, "mode")
+        if mode is not None:
+            return mode, f"mode in {path}"
+    return "online", "the default mode"
+
+
+def _wandb_setting(path: str, key: str) -> str | None:
+    """`key` of the [default] section of one of wandb's settings files, or None."""
+    import configparser
+    settings = configparser.ConfigParser()
+    try:
+        settings.read(path)
+    except configparser.Error:
+        return None
+    return settings.get("default", key, fallback=None)
 
 
 def _wandb_logged_in() -> bool:
@@ -135,18 +176,12 @@ def _wandb_logged_in() -> bool:
     `wandb login --host` kept in wandb's settings file, else wandb's default."""
     if os.environ.get("WANDB_API_KEY"):
         return True
-    import configparser
     import netrc
     from urllib.parse import urlparse
     url, default = os.environ.get("WANDB_BASE_URL"), _wandb_default_url()
     if not url:
-        settings = configparser.ConfigParser()
         folder = os.environ.get("WANDB_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".config", "wandb")
-        try:
-            settings.read(os.path.join(folder, "settings"))
-        except configparser.Error:
-            pass
-        url = settings.get("default", "base_url", fallback=default)
+        url = _wandb_setting(os.path.join(folder, "settings"), "base_url") or default
     parsed = urlparse(url)
     hosts = [parsed.netloc, parsed.hostname]
     if url == default:  # wandb falls back to the upstream server's key (wandb 0.31's forge)

@@ -15,6 +15,7 @@ row whose step does not follow the one before).
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -64,6 +65,18 @@ def islands(rows: list[dict]) -> list[str]:
     return sorted(names)
 
 
+def steady(rows: list[dict], key: str, like: str | None = None) -> tuple[list, list]:
+    """(steps, values) of `key` over the rows that have `like` (default: `key`; a missing
+    value is 0), with each warm-up row (a run's or resume's first step) a gap, not a point:
+    a line drawn across it would join two runs' steady states."""
+    steps, values = [], []
+    for r in rows:
+        if (like or key) in r:
+            steps.append(r["step"])
+            values.append(math.nan if r["warmup"] else r.get(key, 0.0))
+    return steps, values
+
+
 def draw(runs: list[str | Path], out: str | Path) -> Path:
     """Writes the PNG of `runs`' curves to `out`."""
     cli.need("matplotlib", "plot", "python -m hetjax.plot")
@@ -76,24 +89,19 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
     fig, axes = plt.subplots(panels, 1, figsize=(9, 2.8 * panels), sharex=True)
     for i, (label, (rows, evals)) in enumerate(data.items()):
         color = f"C{i % 10}"
-        steady = [r for r in rows if not r["warmup"] and "step_time" in r]
         axes[0].plot([r["step"] for r in rows], [r["loss"] for r in rows], color=color, label=label)
         if evals:
             axes[0].plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o", color=color,
                          label=f"{label} (eval)")
-        axes[1].plot([r["step"] for r in steady], [r["tokens_per_sec"] for r in steady], color=color, label=label)
-        axes[2].plot([r["step"] for r in steady], [r["mfu"] for r in steady], color=color, label=f"{label} mfu")
-        if any("mfu_maxtext" in r for r in steady):
-            axes[2].plot([r["step"] for r in steady if "mfu_maxtext" in r],
-                         [r["mfu_maxtext"] for r in steady if "mfu_maxtext" in r], "--", color=color,
-                         label=f"{label} mfu_maxtext")
+        axes[1].plot(*steady(rows, "tokens_per_sec"), color=color, label=label)
+        axes[2].plot(*steady(rows, "mfu"), color=color, label=f"{label} mfu")
+        if any("mfu_maxtext" in r for r in rows):
+            axes[2].plot(*steady(rows, "mfu_maxtext"), "--", color=color, label=f"{label} mfu_maxtext")
         for j, name in enumerate(islands(rows)):
-            mine = [r for r in steady if f"{name}/step_time" in r]
             style = ["-", ":", "-.", (0, (5, 1))][j % 4]
-            axes[3].plot([r["step"] for r in mine], [r[f"{name}/step_time"] for r in mine], linestyle=style,
-                         color=color, label=f"{label} {name} step")
-            axes[3].plot([r["step"] for r in mine], [r.get(f"{name}/transfer_time", 0.0) for r in mine],
-                         linestyle=style, color=color, alpha=0.45, label=f"{label} {name} transfer")
+            axes[3].plot(*steady(rows, f"{name}/step_time"), linestyle=style, color=color, label=f"{label} {name} step")
+            axes[3].plot(*steady(rows, f"{name}/transfer_time", like=f"{name}/step_time"), linestyle=style,
+                         color=color, alpha=0.45, label=f"{label} {name} transfer")
     titles = ["loss", "tokens/s", "MFU (solid: PaLM 6N + attention; dashed: MaxText, causal halved)",
               "per island: step time, transfer time (pale), s"]
     for ax, title in zip(axes, titles):

@@ -223,5 +223,9 @@ def test_a_device_kind_is_matched_to_its_own_data_sheet():
     assert hardware.for_device_kind("NVIDIA GH200 480GB").name == "GH200"
     assert hardware.for_device_kind("NVIDIA H200").name == "H200"
     assert hardware.for_device_kind("NVIDIA H100 80GB HBM3").name == "H100"
+    # The PCIe cards were measured against the SXM module's 989 TFLOP/s (data sheets: 1,513
+    # and 1,671 with sparsity, half that dense).
+    assert hardware.for_device_kind("NVIDIA H100 PCIe").peak_flops == 756e12
+    assert hardware.for_device_kind("NVIDIA H100 NVL").peak_flops == 835e12
     assert hardware.for_device_kind("AMD Instinct MI300X").name == "MI300X"
     assert hardware.for_device_kind("cpu") is None

@@ -91,3 +91,18 @@ def test_without_matplotlib_plot_names_the_extra(tmp_path):
     r = run("hetjax.plot", str(tmp_path), blocked="matplotlib")
     assert r.returncode == 2 and "pip install 'hetjax[plot]'" in r.stderr, r.stdout + r.stderr
     assert not (tmp_path / "curves.png").exists()
+
+
+def test_a_resumed_run_s_throughput_breaks_at_the_resume_instead_of_joining_across_it(tmp_path):
+    """The left-out warm-up step of a resume was skipped, and the line joined step 3's
+    steady figure to step 5's across it, as if no restart had happened."""
+    rows = [{"step": s, "loss": 5.0 - 0.1 * s, "tokens_per_sec": 100.0 + s, "mfu": 0.01, "step_time": 0.1,
+             **({"run_start": 1.0} if s in (0, 4) else {})} for s in range(7)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    read, _ = plot.read_metrics(tmp_path)
+    steps, values = plot.steady(read, "tokens_per_sec")
+    assert steps == list(range(7))
+    assert [np.isnan(v) for v in values] == [True, False, False, False, True, False, False]
+    assert values[3] == 103.0 and values[5] == 105.0
+    plot.draw([tmp_path], tmp_path / "resumed.png")
+    image(tmp_path / "resumed.png")

@@ -98,6 +98,40 @@ def test_an_online_run_without_a_wandb_login_is_refused_before_compiling(monkeyp
     validate(Config(wandb=WandbConfig(project="p")))
 
 
+def test_the_mode_is_found_where_wandb_finds_it_and_a_team_in_the_project_is_refused(monkeypatch, tmp_path):
+    """Each failed only after the step compiled, or refused a run wandb would take:
+    'team/project' (wandb's UsageError), WANDB_MODE=bogus or empty (a pydantic error),
+    WANDB_MODE=shared, an online mode, with no login (wandb's "No API key"); and a run
+    after `wandb offline` (./wandb/settings) was refused as not logged in."""
+    pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no such file: no login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    (tmp_path / "config").mkdir()
+    (tmp_path / "work" / "wandb").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work")
+    with pytest.raises(ConfigError, match=r"config\.wandb\.project='myteam/hetjax': .* / .*config\.wandb\.entity=myteam"):
+        validate(Config(wandb=WandbConfig(project="myteam/hetjax", mode="offline")))
+    for bad in ("bogus", ""):
+        monkeypatch.setenv("WANDB_MODE", bad)
+        with pytest.raises(ConfigError, match=f"WANDB_MODE='{bad}' is not a W&B mode: use one of online, offline"):
+            validate(Config(wandb=WandbConfig(project="p")))
+    monkeypatch.setenv("WANDB_MODE", "shared")
+    with pytest.raises(ConfigError, match="not logged in"):
+        validate(Config(wandb=WandbConfig(project="p")))
+    monkeypatch.delenv("WANDB_MODE")
+    with pytest.raises(ConfigError, match="not logged in"):
+        validate(Config(wandb=WandbConfig(project="p")))
+    for settings in (tmp_path / "work" / "wandb" / "settings", tmp_path / "config" / "settings"):
+        settings.write_text("[default]\nmode = offline\n")  # what `wandb offline` writes
+        validate(Config(wandb=WandbConfig(project="p")))
+        settings.unlink()
+    (tmp_path / "config" / "settings").write_text("[default]\nmode = ofline\n")
+    with pytest.raises(ConfigError, match=r"mode in .*config/settings='ofline' is not a W&B mode"):
+        validate(Config(wandb=WandbConfig(project="p")))
+
+
 def test_a_login_to_a_self_hosted_server_is_found_where_wandb_finds_it(monkeypatch, tmp_path):
     """`wandb login` keys .netrc by host and port, and `wandb login --host URL` keeps the
     server in wandb's settings file: both logins were refused as "not logged in"."""

@@ -24,7 +24,11 @@ class Hardware:
 GB, GiB = 1e9, 1024**3
 TABLE = {h.name: h for h in (
     Hardware("H200", "cuda", 989e12, 4800 * GB, 450 * GB, 141 * GB),
-    Hardware("H100", "cuda", 989e12, 3350 * GB, 450 * GB, 80 * GiB),
+    Hardware("H100", "cuda", 989e12, 3350 * GB, 450 * GB, 80 * GiB),  # SXM
+    # The PCIe cards peak lower: jax names them "NVIDIA H100 PCIe" / "NVIDIA H100 NVL" (an
+    # NVLink bridge joins pairs of them, 600 GB/s both ways).
+    Hardware("H100 PCIe", "cuda", 756e12, 2000 * GB, 300 * GB, 80 * GiB),
+    Hardware("H100 NVL", "cuda", 835e12, 3900 * GB, 300 * GB, 94 * GB),
     Hardware("GH200", "cuda", 989e12, 4000 * GB, 450 * GB, 96 * GiB),
     Hardware("B200", "cuda", 2250e12, 8000 * GB, 900 * GB, 180 * GB),
     Hardware("A100", "cuda", 312e12, 2039 * GB, 300 * GB, 80 * GiB),
