@@ -15,7 +15,7 @@ import numpy as np
 
 from hetjax import checkpoint, checkpoint_fit, checkpoint_init, memory, metrics, program, repro, sharding
 from hetjax import stop as stop_lib
-from hetjax.compile import backend
+from hetjax.compile import aot, backend, hlo
 from hetjax.data.pipeline import check_saved_state
 from hetjax.errors import ConfigError
 from hetjax.mesh import describe, make_mesh
@@ -268,6 +268,17 @@ class MeshJob:
 
     def flops_per_step(self) -> float:
         return metrics.model_flops_per_token(self.cfg, self.num_params) * self.cfg.batch_size * self.cfg.seq_len
+
+    def compile_report(self) -> list[str]:
+        """The compiled step's memory and FLOP figures per device (`--compile_only`)."""
+        report = aot.analysis(self.compiled)
+        # XLA's cost analysis counts the scanned layer loop's body once: count every trip.
+        counted = hlo.summarize(self.compiled.as_text(), jax.device_count())
+        report = {k: v for k, v in report.items() if k != "bytes_accessed"} | {
+            "flops": counted["flops"], "matmul_bytes": counted["matmul_bytes"]}
+        lines = [f"  {key:>22}: {f'{value / memory.GiB:.3f} GiB' if key.endswith('bytes') else f'{value:.4g}'} "
+                 f"per device" for key, value in report.items()]
+        return lines + [f"  {'model_flops':>22}: {self.flops_per_step():.4g} per step (6N + attention)"]
 
     def close(self) -> None:
         pass

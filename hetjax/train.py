@@ -18,8 +18,7 @@ import jax
 from hetjax import checkpoint_fit, checkpoint_init
 from hetjax import cli as cli_lib  # `cli` below is the console script's entry point
 from hetjax import config as config_lib
-from hetjax import data, memory, metrics, repro, stop as stop_lib
-from hetjax.compile import aot, hlo
+from hetjax import data, metrics, repro, stop as stop_lib
 from hetjax.hetero import job as hetero_job, runtime
 from hetjax import job as job_lib
 from hetjax.job import Job, MeshJob
@@ -55,16 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text, flush=True)
 
     if args.compile_only:
-        mesh_job = MeshJob(cfg, dataset, compile_only=True, log=log)
-        report = aot.analysis(mesh_job.compiled)
-        # XLA's cost analysis counts the scanned layer loop's body once: count every trip.
-        counted = hlo.summarize(mesh_job.compiled.as_text(), jax.device_count())
-        report = {k: v for k, v in report.items() if k != "bytes_accessed"} | {
-            "flops": counted["flops"], "matmul_bytes": counted["matmul_bytes"]}
-        for key, value in report.items():
-            unit = f"{value / memory.GiB:.3f} GiB" if key.endswith("bytes") else f"{value:.4g}"
-            print(f"  {key:>22}: {unit} per device")
-        print(f"  {'model_flops':>22}: {mesh_job.flops_per_step():.4g} per step (6N + attention)")
+        print("\n".join(MeshJob(cfg, dataset, compile_only=True, log=log).compile_report()), flush=True)
         return 0
     signals = stop_lib.StopSignals().install()  # a Ctrl-C while compiling stops after the first step
     job = None
