@@ -258,6 +258,9 @@ def test_bad_island_configs_are_refused_naming_the_field(hetero, match):
      "islands\\[0\\].mesh.pipeline=2 with uneven config.pipeline.stage_layers=\\(1, 3\\)"),
     ({"pipeline.virtual_stages": "2", "pipeline.schedule": "1f1b_fused"}, {"placement": "data"},
      "virtual_stages=2 with config.hetero.placement='data'"),
+    # Accepted and ignored, even when it did not add up to the model's 2 layers.
+    ({"pipeline.stage_layers": "(5,7,9)"}, {"placement": "data"},
+     "stage_layers=\\(5, 7, 9\\) with placement='data' and no island running a pipeline"),
     ({}, {"placement": "data", "island_layers": (1, 1)}, "island_layers=\\(1, 1\\) / auto_split=False with "
                                                          "placement='data'"),
     ({"batch_size": "5"}, {"placement": "data"}, "config.batch_size=5: 5 cannot be split over the islands in "

@@ -154,6 +154,8 @@ def test_the_command_draws_every_schedule_the_interleaved_ones_included(capsys):
     assert "--virtual-stages 2 with --schedule 1f1b" in err and "set --virtual-stages 1" in err  # this command's options
     assert main(["--virtual-stages", "0"]) == 2  # was taken for the default, 2
     assert "--virtual-stages=0" in capsys.readouterr().err
+    assert main(["--stages", "0"]) == 2  # named no option: "a schedule needs stages, ... got 0, 8, 1"
+    assert "error: --stages 0: must be at least 1" in capsys.readouterr().err
     # Fewer micro-batches than stages: 1F1B's refusal drew nothing, gpipe's timelines included.
     assert main(["--stages", "3", "--microbatches", "2"]) == 0
     out = capsys.readouterr().out
@@ -497,6 +499,8 @@ def test_gradient_accumulation_is_refused_only_where_mesh_pipeline_minus_one_mak
     not accumulate, and the error's advice (micro-batches) was ignored there."""
     cfg = dataclasses.replace(CFG, mesh=MeshConfig(pipeline=-1, fsdp=1), optim=OptimConfig(grad_accum_steps=2))
     validate(cfg)
+    with pytest.raises(ConfigError, match=r"grad_accum_steps=2 with config.mesh.pipeline=-1 \(2 stages\)"):
+        validate(dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, stage_layers=(1, 1))))  # "-1 stages"
     with pytest.raises(ConfigError, match=r"grad_accum_steps=2 with config.mesh.pipeline=-1 \(2 stages\)"):
         pipeline.make_plan(cfg, make_mesh(cfg.mesh, jax.devices()[:2]))  # the pipelined step ignored it
     one = dataclasses.replace(cfg, mesh=MeshConfig(pipeline=-1, fsdp=2))

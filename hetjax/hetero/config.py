@@ -190,6 +190,10 @@ def validate_hetero(cfg) -> None:
         raise ConfigError("config.hetero.links: with placement='data' every island talks to every "
                           "other one; set one config.hetero.link")
     if h.placement == "data":
+        if cfg.pipeline.stage_layers and all(island.mesh.pipeline == 1 for island in h.islands):
+            raise ConfigError(f"config.pipeline.stage_layers={tuple(cfg.pipeline.stage_layers)} with "
+                              f"placement='data' and no island running a pipeline (every island's "
+                              f"mesh.pipeline=1): there are no stages to split; unset it")
         if h.island_layers or h.auto_split:
             raise ConfigError(f"config.hetero.island_layers={h.island_layers} / auto_split={h.auto_split} with "
                               f"placement='data': every island holds the whole model, so nothing splits its "

@@ -12,7 +12,8 @@ from hetjax.pipeline.schedule import KINDS, VIRTUAL_KINDS, island_orders, make_s
 
 
 # make_schedule's errors in this command's options, not the config's.
-OPTION_NAMES = {"schedule": "--schedule {}", "microbatches": "--microbatches {}", "virtual": "--virtual-stages {}"}
+OPTION_NAMES = {"schedule": "--schedule {}", "stages": "--stages {}", "microbatches": "--microbatches {}",
+                "virtual": "--virtual-stages {}"}
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,9 @@ class PipelineConfig:
     schedule: str = "1f1b_fused"
     microbatches: int = 4  # the global batch is split into this many micro-batches
     stage_layers: tuple = ()  # layers per stage, e.g. (3, 5); () splits num_layers evenly
-    virtual_stages: int = 1  # V > 1: each stage holds V interleaved chunks of layers (smaller bubble)
+    # V > 1: each stage holds V interleaved chunks of layers, a bubble about 1/V as long
+    # when microbatches is a multiple of the stages (the last M mod S go round alone)
+    virtual_stages: int = 1
     # False: in the one-program pipeline a stage's (chunk's) layers are written out one
     # after the other instead of scanned: measured faster (bench/pipeline_bubble.py,
     # README). True compiles faster when a stage holds many layers. The losses are the same.
@@ -57,7 +59,7 @@ def validate_pipeline(cfg, check_batch: bool = True) -> None:
         return
     if stages == -1 and not p.stage_layers:  # the stages are counted on the mesh (spmd.make_plan)
         return
-    check_no_grad_accum(cfg, stages)
+    check_no_grad_accum(cfg, len(p.stage_layers) or stages)
     if V > 1 and p.stage_layers:
         raise ConfigError(f"config.pipeline.stage_layers={p.stage_layers} with config.pipeline.virtual_stages="
                           f"{V}: interleaved chunks split the layers evenly; set stage_layers=()")

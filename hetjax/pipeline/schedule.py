@@ -149,7 +149,8 @@ class Schedule:
 
 # How make_schedule's errors name its settings: the config's fields by default; a command
 # passes its own option names.
-CONFIG_NAMES = {"schedule": "config.pipeline.schedule={!r}", "microbatches": "config.pipeline.microbatches={}",
+CONFIG_NAMES = {"schedule": "config.pipeline.schedule={!r}", "stages": "config.mesh.pipeline={}",
+                "microbatches": "config.pipeline.microbatches={}",
                 "virtual": "config.pipeline.virtual_stages={}"}
 
 
@@ -160,8 +161,9 @@ def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1, n
     S, M, V = stages, microbatches, virtual
     if kind not in KINDS:
         raise ConfigError(f"{names['schedule'].format(kind)}: choose one of {KINDS}")
-    if S < 1 or M < 1 or V < 1:
-        raise ConfigError(f"a schedule needs stages, microbatches and virtual_stages >= 1, got {S}, {M}, {V}")
+    for key, value in (("stages", S), ("microbatches", M), ("virtual", V)):
+        if value < 1:
+            raise ConfigError(f"{names[key].format(value)}: must be at least 1")
     if kind.startswith("1f1b") and M < S:
         raise ConfigError(
             f"{names['microbatches'].format(M)} is smaller than the {S} pipeline stages: 1F1B "
