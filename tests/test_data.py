@@ -305,6 +305,22 @@ def test_starting_far_into_training_costs_no_more_than_starting_at_zero():
     assert seconds[10**9] < 5 * seconds[0] + 0.5, seconds
 
 
+def test_a_batch_split_over_its_length_too_holds_the_same_rows():
+    """Sequence sharding (rules mapping `length` to tensor) failed at the first batch with
+    jax's IndivisibleError: the rows a process holds were looked up with one column."""
+    d = data.build(CFG)
+    rules = tuple((k, "tensor" if k == "length" else v) for k, v in DEFAULT_RULES)
+    split = program.batch_shardings(make_mesh(MeshConfig(fsdp=4, tensor=2)), rules)
+    plain = program.batch_shardings(make_mesh(MeshConfig(fsdp=8)), DEFAULT_RULES)
+    assert split["inputs"].spec[1] == "tensor"
+    a, b = d.batch(3, split), d.batch(3, plain)
+    for key in b:
+        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]))
+    it = d.iterator(split, start_step=3)
+    np.testing.assert_array_equal(np.asarray(next(it)["inputs"]), d.train.rows(np.arange(8) + 3 * 8)["inputs"])
+    it.close()
+
+
 def test_eval_batches_are_fixed_and_held_out():
     d = data.build(CFG)
     sh = program.batch_shardings(make_mesh(MeshConfig(fsdp=8)), DEFAULT_RULES)

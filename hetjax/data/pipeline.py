@@ -17,6 +17,7 @@ import functools
 import hashlib
 import json
 import os
+import math
 import signal
 from pathlib import Path
 
@@ -33,8 +34,12 @@ def local_rows(shardings: dict, batch_size: int) -> np.ndarray:
     """The batch rows this process's devices hold (sorted, each once)."""
     assert len(set(shardings.values())) == 1, "every batch field is laid out alike"
     sharding = next(iter(shardings.values()))
+    # As many columns as the length dimension has shards (sequence sharding): one column
+    # would not divide over them.
+    entry = (tuple(sharding.spec) + (None, None))[1]
+    width = math.prod(sharding.mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
     rows = set()
-    for idx in sharding.addressable_devices_indices_map((batch_size, 1)).values():
+    for idx in sharding.addressable_devices_indices_map((batch_size, width)).values():
         rows.update(range(*idx[0].indices(batch_size)))
     return np.asarray(sorted(rows), np.int64)
 
