@@ -13,7 +13,8 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from hetjax import checkpoint, checkpoint_fit, checkpoint_init, memory, metrics, program, repro, sharding
+from hetjax import checkpoint, checkpoint_fit, checkpoint_init, checkpoint_readable, memory, metrics, program, repro
+from hetjax import sharding
 from hetjax import stop as stop_lib
 from hetjax.compile import aot, backend, hlo
 from hetjax.data.pipeline import check_saved_state
@@ -165,6 +166,7 @@ class MeshJob:
             memory.check_fits(cfg, estimate, mesh)
 
         if not compile_only:
+            checkpoint_readable.check_shared(checkpoint.default_dir(cfg), cfg.hetero.timeout_s)
             self.checkpoints = checkpoint.Manager(checkpoint.default_dir(cfg), cfg.checkpoint,
                                                   peer_timeout_s=cfg.hetero.timeout_s)
             # An uneven split's padded rows: (3, 1) and (1, 3) have the same shapes, and a

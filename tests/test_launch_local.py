@@ -369,22 +369,33 @@ def _stopped_job(cfg_path, signals):
 
 
 # A process that follows its launcher as hetjax.train does, then waits.
+# Stopped, it prints (into a pipe that lost its reader with the launcher) before it "saves".
 FOLLOWER = textwrap.dedent("""
-    import os, time
+    import os, signal, sys, time
     from hetjax.hetero import runtime
     runtime.follow_launcher()
+
+    def stop(*_):
+        for i in range(100):
+            print("step", i, "x" * 1000, flush=True)
+        print("saving", file=sys.stderr, flush=True)
+        open(os.path.join(os.environ["SAVED"], str(os.getpid())), "w").close()
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, stop)
     print("follower", os.getpid(), "inherits", os.environ.get(runtime.LAUNCHER_VARIABLE), flush=True)
     time.sleep(300)
 """)
 
 
-def test_a_killed_launcher_takes_its_processes_with_it(cfg_path):
+def test_a_killed_launcher_takes_its_processes_with_it(cfg_path, tmp_path):
     """SIGKILL gives the launcher no chance to stop its processes: each one asked Linux to
-    send it SIGTERM when the launcher dies."""
+    send it SIGTERM when the launcher dies, and saves. (Its first print after that raised
+    BrokenPipeError, the launcher having read its output: no checkpoint was written.)"""
     script = (f"import sys; from hetjax.launch import local; "
               f"local.run({cfg_path!r}, stand_in='cpu', command=[sys.executable, '-c', {FOLLOWER!r}])")
     launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                                env=dict(os.environ, PYTHONPATH=str(ROOT), SAVED=str(tmp_path / "saved")))
+    (tmp_path / "saved").mkdir()
     pids = []
     for line in launcher.stdout:
         if " follower " in line:
@@ -399,6 +410,7 @@ def test_a_killed_launcher_takes_its_processes_with_it(cfg_path):
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [pid for pid in pids if _alive(pid)]
+    assert sorted(int(p.name) for p in (tmp_path / "saved").iterdir()) == sorted(pids)
 
 
 # A jax workload: each island is a real jax.distributed world (gloo inside it) that sums

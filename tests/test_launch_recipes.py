@@ -408,3 +408,18 @@ done
     # Another environment refuses before anything starts.
     r = subprocess.run(["bash", str(script)], env=dict(env, SLURM_HET_SIZE="2"), capture_output=True, text=True)
     assert r.returncode == 2 and "hetjob.sbatch" in r.stderr
+    # In a container: the config's directory (a path outside the image) and HETJAX_MOUNTS
+    # are mounted too, as in hetjob.sbatch (only RUN_DIR was).
+    (bin_dir / "srun").write_text(f"""#!/bin/bash
+"{sys.executable}" -c 'import json, sys; print("ARGS" + json.dumps(sys.argv[1:]))' "$@"
+""")
+    config = tmp_path / "configs" / "mine.py"
+    config.parent.mkdir()
+    config.write_text((REPO / "configs" / "tiny.py").read_text())
+    r = subprocess.run(["bash", str(script)], env=dict(env, HETJAX_IMAGE="registry.example.com/hetjax:cuda",
+                                                       CONFIG=str(config), HETJAX_MOUNTS="/data:/data"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr + r.stdout
+    args = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("ARGS"))[4:])
+    run = tmp_path / "run"
+    assert f"--container-mounts={run}:{run},{config.parent}:{config.parent},/data:/data" in args, args

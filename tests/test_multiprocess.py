@@ -166,5 +166,36 @@ def test_the_scheduler_reads_a_one_mesh_world_from_each_source(cfg_path):
                        (dict(slurm, SLURMD_NODENAME="gpu01"), "SLURMD_NODENAME")):
         with pytest.raises(ConfigError, match=names):
             scheduler.mesh_world(env, cfg)
+    # A plain Indexed Job, or a hand launch without HETJAX_ISLAND: each process trained alone.
+    for env in ({"HETJAX_NUM_PROCESSES": "2", "JOB_COMPLETION_INDEX": "1"},
+                {"HETJAX_NUM_PROCESSES": "2", "HETJAX_PROCESS_ID": "1", "HETJAX_HOSTS": '{"mesh": ["a", "b"]}'}):
+        with pytest.raises(ConfigError, match="HETJAX_NUM_PROCESSES='2' without HETJAX_ISLAND: .* HETJAX_ISLAND=mesh"):
+            scheduler.mesh_world(env, cfg)
+    assert scheduler.mesh_world({"HETJAX_NUM_PROCESSES": "1"}, cfg) is None
     with pytest.raises(ConfigError, match="--processes=3"):
         local.run(cfg_path, processes=3)  # 4 devices do not split over 3 processes
+
+
+def test_a_run_dir_that_is_not_shared_is_refused_before_compiling(cfg_path, tmp_path):
+    """Each process with its own run_dir (node-local disks): both trained to the first
+    save, then hung in orbax's commit, past hetero.timeout_s and deaf to SIGTERM."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update({scheduler.ISLAND: "mesh", scheduler.NUM_PROCESSES: "2", scheduler.PORT: str(local.free_ports(1, 4)[0]),
+                scheduler.HOSTS: json.dumps({"mesh": ["127.0.0.1", "127.0.0.1"]}), "JAX_PLATFORMS": "cpu",
+                "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": os.getcwd()})
+    procs = [subprocess.Popen([sys.executable, "-m", "hetjax.train", "--config", cfg_path, "--config.steps=4",
+                               f"--config.run_dir={tmp_path / f'node{p}'}", f"--config.hetero.timeout_s={TIMEOUT}"],
+                              env={**env, scheduler.PROCESS_ID: str(p)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for p in range(2)]
+    try:
+        outs = [proc.communicate(timeout=180)[0] for proc in procs]
+    finally:
+        [proc.kill() for proc in procs]
+    assert [proc.returncode for proc in procs] == [2, 2], outs
+    assert f"checkpoint directory {tmp_path / 'node0' / 'checkpoints'}: process 1 (" in outs[0], outs[0]
+    assert "does not see the file process 0" in outs[0] and "on storage that every node mounts" in outs[0]
+    assert f"is not the one process 0 uses ({tmp_path / 'node0' / 'checkpoints'})" in outs[1], outs[1]
+    assert not any("compiled the train step" in out for out in outs)
+    assert not list((tmp_path / "node0" / "checkpoints").iterdir())  # process 0's file is gone

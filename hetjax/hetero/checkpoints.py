@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from hetjax import checkpoint, checkpoint_fit, optim
+from hetjax import checkpoint, checkpoint_fit, checkpoint_readable, optim
 from hetjax.data.pipeline import check_saved_state
 from hetjax import state as state_lib
 from hetjax.config import to_dict
@@ -48,6 +48,7 @@ def held_by_all(steps: list[int], rows) -> list[int]:
 def manager(cfg, name: str) -> checkpoint.Manager:
     """Island `name`'s manager: it keeps its last config.checkpoint.keep steps, and also
     every step from the newest one all islands hold (Checkpoints.save raises that)."""
+    checkpoint_readable.check_shared(checkpoint.default_dir(cfg) / name, cfg.hetero.timeout_s)  # the island's world
     return checkpoint.Manager(checkpoint.default_dir(cfg) / name, cfg.checkpoint, keep_from=0,
                               peer_timeout_s=cfg.hetero.timeout_s)
 

@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import socket
+import sys
 
 from hetjax.config import Config
 from hetjax.errors import ConfigError
@@ -40,6 +41,37 @@ def follow_launcher(environ=None) -> None:
     launcher = environ.pop(LAUNCHER_VARIABLE, "")  # not for the processes this one starts
     if launcher.isdigit():
         stop.end_with_parent(signal.SIGTERM, int(launcher))
+        # The launcher read this process's output: dead, it leaves a pipe without a reader,
+        # and the next print would raise BrokenPipeError before the SIGTERM's save.
+        sys.stdout, sys.stderr = _Outlives(sys.stdout), _Outlives(sys.stderr)
+
+
+class _Outlives:
+    """A text stream whose writes go to /dev/null once its reader is gone."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_null()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_null()
+
+    def _to_null(self):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self._stream.fileno())  # what is still buffered goes there too
+        os.close(null)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 @dataclasses.dataclass(frozen=True)

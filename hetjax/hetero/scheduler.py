@@ -110,6 +110,12 @@ def mesh_world(environ, cfg: Config) -> runtime.ProcessSettings | None:
             return None  # srun -n 1, or a batch script's own step: one process
         return settings(_from_slurm_step(environ, cfg, count), one_island(cfg, count, 1))
     else:
+        if environ.get(NUM_PROCESSES, "1") not in ("", "1"):
+            # Each process would train alone as process 0, every one writing the same run_dir.
+            raise ConfigError(f"{NUM_PROCESSES}={environ[NUM_PROCESSES]!r} without {ISLAND}: a one-mesh job of "
+                              f"several processes also "
+                              f"needs {ISLAND}={MESH} (launch.local --processes N sets both), or a Kubernetes "
+                              f"JobSet's variables (launch/k8s/mesh.yaml); unset {NUM_PROCESSES} for one process")
         return None
     if count == 1:
         return None
