@@ -13,7 +13,10 @@ share of the cores (launch.local's cpu_shares) and the one island gets them all;
 metrics.jsonl: tokens over step time of the steps after the first --skip (compiles)
 and before the last (whose time is not a whole step). Where the islands' platforms
 are not installed, they run on the installed one (on a CPU-only machine: CPU islands
-standing in for CUDA and ROCm). The last line: two-island tokens/s over one-island
+standing in for CUDA and ROCm). With pipeline placement the islands keep their forwards'
+residuals for the backward (config.pipeline.recompute=False, the default) while the one
+island's SPMD pipeline recomputes them: --config.pipeline.recompute=True makes both do the
+same arithmetic (the run says which). The last line: two-island tokens/s over one-island
 tokens/s, per backend.
 """
 
@@ -83,6 +86,11 @@ def main(argv: list[str]) -> int:
     print(f"{cfg.name}: {len(cfg.hetero.islands)} islands ({cfg.hetero.placement} placement), {total} {installed} "
           f"devices in all; {opts['steps']} steps, timing those after the first {opts['skip']}; logs in {work}",
           flush=True)
+    if cfg.hetero.placement == "pipeline":
+        print("backwards: the islands " + ("recompute their forwards, as the one island's SPMD pipeline does"
+              if cfg.pipeline.recompute else "keep their forwards' residuals (config.pipeline.recompute=False), "
+              "where the one island's SPMD pipeline recomputes them: less arithmetic on the islands' side; "
+              "--config.pipeline.recompute=True compares like with like"), flush=True)
     print(f"cores: one island uses {len(cores)} ({','.join(map(str, cores))}); "
           + (f"the islands' processes get {' and '.join(','.join(map(str, s)) for s in shares)}" if shares
              else "the islands' processes share them all"), flush=True)

@@ -4,7 +4,7 @@ between islands as it does on GPUs (one island's step takes about 0.4 s on 2 CPU
 small enough to benchmark on a laptop.
 
     python -m bench.hetero_vs_homogeneous --config configs/medium_hetero.py
-    python -m bench.hetero_vs_homogeneous --config configs/medium_hetero.py --placement data
+    python -m bench.hetero_vs_homogeneous --config configs/medium_hetero.py --data
 """
 
 import dataclasses

@@ -70,6 +70,9 @@ def parse_command_line(argv: list[str], flags: tuple[str, ...] = ("compile_only"
         arg = args.pop(0)
         key, eq, value = arg.partition("=")
         if key == "--config":
+            if name is not None:  # the second would replace the first without a word
+                raise ConfigError(f"--config given twice ({name!r}, then {value if eq else args[0] if args else ''!r}); "
+                                  f"give one config file and change it with --config.KEY=VALUE")
             name = value if eq else (args.pop(0) if args else None)
         elif key.startswith("--config."):
             overrides[key.removeprefix("--config.")] = value if eq else _next_value(arg, args)

@@ -85,12 +85,14 @@ class Config:
 
 
 def find_config_file(name: str) -> Path:
-    """`configs/tiny.py`, `tiny.py` and `tiny` all find the same file."""
-    candidates = [Path(name)]
+    """`configs/tiny.py`, `tiny.py` and `tiny` all find the same file; a path with a folder
+    other than configs/ (`../exp/tiny`) is that file or none, never the shipped one."""
     stem = name if name.endswith(".py") else name + ".py"
+    candidates = [Path(name), Path(stem)]
     # The shipped configs: configs/ of a checkout, or hetjax/configs/ of an installed wheel.
     here = Path(importlib.util.find_spec("hetjax.configs").submodule_search_locations[0])
-    candidates += [Path("configs") / stem, here / stem, here / Path(stem).name]
+    if Path(stem).parent in (Path("."), Path("configs")):
+        candidates += [Path("configs") / stem, here / stem, here / Path(stem).name]
     for path in candidates:
         if path.is_file():
             return path
@@ -102,6 +104,9 @@ def load(name: str, overrides: dict[str, str] | None = None) -> Config:
     """Runs `get_config()` from a config file and applies `--config.a.b=v` overrides."""
     path = find_config_file(name)
     spec = importlib.util.spec_from_file_location(f"hetjax_config_{path.stem}", path)
+    if spec is None:  # not a .py file: a run's config.json, say
+        raise ConfigError(f"--config={name!r}: a config is a .py file defining get_config() (configs/tiny.py); "
+                          f"a run's config.json records a config, it does not load as one")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
@@ -125,7 +130,10 @@ def override(cfg, key: str, text: str, _prefix: str = ""):
     current = getattr(cfg, head)
     if rest:
         if not dataclasses.is_dataclass(current):
-            raise ConfigError(f"config key {full!r} is a {type(current).__name__}; it has no field {rest!r}")
+            inside = (" of sections: override them in a config file of your own, whose get_config() "
+                      "returns dataclasses.replace() of a shipped one (configs/tiny_hetero.py shows how they "
+                      "are built)") if isinstance(current, tuple) and any(map(dataclasses.is_dataclass, current)) else ""
+            raise ConfigError(f"config key {full!r} is a {type(current).__name__}{inside}; it has no field {rest!r}")
         return dataclasses.replace(cfg, **{head: override(current, rest, text, full + ".")})
     if dataclasses.is_dataclass(current):
         first = dataclasses.fields(current)[0].name
@@ -170,7 +178,9 @@ def _parse(key: str, text: str, typ) -> Any:
             pass
     name = getattr(typ, "__name__", str(typ))
     article = "an" if name[:1] in "aeiou" else "a"
-    raise ConfigError(f"--config.{key}={text!r}: expected {article} {name}")
+    example = {"bool": " (true/false, yes/no or 1/0)",
+               "tuple": f" such as ({text},) or (1, 2)"}.get(getattr(typing.get_origin(typ), "__name__", name), "")
+    raise ConfigError(f"--config.{key}={text!r}: expected {article} {name}{example}")
 
 
 def _nonfinite(text: str) -> float | None:

@@ -126,6 +126,9 @@ def validate_wandb(w: WandbConfig) -> None:
     if w.mode not in WANDB_MODES:
         raise ConfigError(f"config.wandb.mode={w.mode!r}: use one of {', '.join(repr(m) for m in WANDB_MODES)}")
     if not w.project:
+        if given := [f"config.wandb.{k}={getattr(w, k)!r}" for k in ("entity", "name", "group", "mode") if getattr(w, k)]:
+            raise ConfigError(f"{', '.join(given)} without config.wandb.project: W&B is off until a project is "
+                              f"set; add --config.wandb.project=NAME")
         return
     if bad := sorted({c for c in w.project if c in WANDB_PROJECT_BAD}):
         raise ConfigError(f"config.wandb.project={w.project!r}: W&B refuses {' '.join(bad)} in a project name; "

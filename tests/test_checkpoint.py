@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from hetjax import checkpoint, checkpoint_init, data, orbax_noise, step, train
+from hetjax.compile import aot
 from hetjax.repro import digest
 from hetjax import state as state_lib
 from hetjax.config import CheckpointConfig, ConfigError, MeshConfig
@@ -472,7 +473,7 @@ def test_init_from_starts_a_new_run_from_saved_weights(tmp_path, saved, monkeypa
     # before the step compiles (it used to be read, and refused, after a full compile).
     def no_compile(*a, **k):
         raise AssertionError("compiled before refusing the checkpoint")
-    monkeypatch.setattr(train.aot, "compile", no_compile)
+    monkeypatch.setattr(aot, "compile", no_compile)
     wider = [a for a in args if "mlp_dim" not in a] + ["--config.model.mlp_dim=128"]
     with pytest.raises(ConfigError, match=r"'blocks/mlp/down_FD' has shape \(2, 64, 32\) there but \(2, 128, 32\)"):
         train.main([*wider, f"--config.run_dir={tmp_path / 'e'}", f"--config.init_from={saved[0]}"])

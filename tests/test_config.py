@@ -8,12 +8,32 @@ import pytest
 from hetjax import cli
 from hetjax import config as config_lib
 from hetjax import train
+from hetjax.compile import aot
 from hetjax.errors import ConfigError
 
 
 def test_config_names_resolve_to_the_same_file():
     paths = {config_lib.find_config_file(n).resolve() for n in ("configs/tiny.py", "tiny.py", "tiny")}
     assert len(paths) == 1
+
+
+def test_a_config_path_with_a_folder_is_that_file_or_an_error_never_the_shipped_one(tmp_path, monkeypatch):
+    """`../exp/tiny` (the user's own tiny.py, .py left out) and `../expp/tiny.py` (a typo
+    in the folder) both trained the shipped configs/tiny.py without a word; a run's
+    config.json as --config was an AttributeError traceback."""
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "work").mkdir()
+    mine = (tmp_path / "exp" / "tiny.py")
+    mine.write_text(config_lib.find_config_file("tiny").read_text().replace('name="tiny"', 'name="mine"'))
+    monkeypatch.chdir(tmp_path / "work")
+    assert config_lib.find_config_file("../exp/tiny") == config_lib.find_config_file("../exp/tiny.py")
+    assert config_lib.load("../exp/tiny").name == "mine"
+    with pytest.raises(ConfigError, match="'../expp/tiny.py': no such config file"):
+        config_lib.find_config_file("../expp/tiny.py")
+    assert config_lib.load("tiny").name == "tiny" and config_lib.load("configs/tiny.py").name == "tiny"
+    (tmp_path / "work" / "config.json").write_text(json.dumps(config_lib.to_dict(config_lib.load("tiny"))))
+    with pytest.raises(ConfigError, match="a config is a .py file defining get_config"):
+        config_lib.load("config.json")
 
 
 def test_published_shapes():
@@ -50,6 +70,8 @@ def test_overrides_are_parsed_by_field_type():
     ("optim.learnig_rate", "3", "did you mean optim.learning_rate"),
     ("modle.num_layers", "3", "did you mean model"),
     ("model", "3", "is a section"),
+    ("pipeline.stage_layers", "2", "expected a tuple such as .2,. or"),
+    ("tensorboard", "on", "expected a bool .true/false, yes/no or 1/0."),
 ])
 def test_bad_overrides_name_the_key(key, value, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("?", r"\?")):
@@ -70,6 +92,30 @@ def test_command_line():
         cli.parse_command_line(["--config", "tiny.py", "--config.name", "--config.steps=5"])
     with pytest.raises(ConfigError, match="known configs: .*tiny"):
         config_lib.find_config_file("nope.py")
+    with pytest.raises(ConfigError, match="--config given twice \\('tiny', then 'llama8b'\\)"):
+        cli.parse_command_line(["--config", "tiny", "--config=llama8b"])  # the second won, silently
+
+
+def test_settings_that_a_config_cannot_use_are_refused_not_ignored():
+    """Each was accepted and did nothing: an islands job's own config.mesh (islands run on
+    their own meshes), islands' settings without islands, W&B settings without a project;
+    an island's field could not be overridden, and the error said nothing of how to."""
+    hetero = config_lib.load("tiny_hetero")
+    for key, value in (("mesh.tensor", "2"), ("mesh.fsdp", "1"), ("mesh.data", "2")):
+        with pytest.raises(ConfigError, match=rf"config.{key}={value} with config.hetero.islands: .*islands\[k\].mesh"):
+            config_lib.validate(config_lib.load("tiny_hetero", {key: value}))
+    config_lib.validate(hetero)
+    for key, value in (("hetero.placement", "dta"), ("hetero.island_layers", "(1,1)"), ("hetero.auto_split", "true")):
+        with pytest.raises(ConfigError, match=rf"config.{key}=.* without config.hetero.islands"):
+            config_lib.validate(config_lib.load("tiny", {key: value}))
+    with pytest.raises(ConfigError, match=r"config.wandb.entity='me' without config.wandb.project"):
+        config_lib.validate(config_lib.load("tiny", {"wandb.entity": "me"}))
+    with pytest.raises(ConfigError, match=r"'hetero.islands' is a tuple of sections: override them in a config "
+                                          r"file of your own.*dataclasses.replace"):
+        config_lib.load("tiny_hetero", {"hetero.islands.0.mesh.fsdp": "1"})
+    with pytest.raises(ConfigError, match=r"config.hetero.link.backend='bogus'"):  # links serve every pair
+        config_lib.validate(dataclasses.replace(hetero, hetero=dataclasses.replace(
+            hetero.hetero, links=(hetero.hetero.link,), link=dataclasses.replace(hetero.hetero.link, backend="bogus"))))
 
 
 def test_resolved_config_round_trips_as_json(tmp_path):
@@ -83,7 +129,7 @@ def no_compile(monkeypatch):
     """Fails the test if anything reaches the compiler."""
     def refuse(*args, **kwargs):
         raise AssertionError("compiled before rejecting the config")
-    monkeypatch.setattr(train.aot, "compile", refuse)
+    monkeypatch.setattr(aot, "compile", refuse)
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from hetjax import checkpoint_init, convert, safetensors_io
+from hetjax.compile import aot
 from hetjax.repro import digest
 from hetjax import state as state_lib
 from flax import nnx
@@ -180,7 +181,7 @@ def test_a_run_started_from_imported_weights_exports_the_original_token_ids(tmp_
     # Given as the run's own checkpoints, the import was compiled for, then moved into
     # corrupt/ as "damaged" (no optimizer state, no data item). Now refused before that.
     with monkeypatch.context() as patched:
-        patched.setattr(train.aot, "compile", lambda *a, **k: pytest.fail("compiled before refusing"))
+        patched.setattr(aot, "compile", lambda *a, **k: pytest.fail("compiled before refusing"))
         with pytest.raises(config_lib.ConfigError, match="holds weights only .* --config.init_from="):
             train.main(["--config", "tiny.py", "--config.steps=1", "--config.run_dir=run0",
                         "--config.checkpoint.dir=imported", "--config.data.branching=4", *hint])

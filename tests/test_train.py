@@ -15,6 +15,7 @@ import pytest
 
 from hetjax import config as config_lib, program
 from hetjax import data, step, train
+from hetjax.compile import aot
 from hetjax.config import Config, MeshConfig, ModelConfig, OptimConfig
 from hetjax.errors import TrainingDiverged
 from hetjax.mesh import make_mesh
@@ -173,7 +174,7 @@ def test_tiny_config_trains(tmp_path, monkeypatch):
 
     def no_compile(*a, **k):
         raise AssertionError("compiled before refusing the run")
-    monkeypatch.setattr(train.aot, "compile", no_compile)
+    monkeypatch.setattr(aot, "compile", no_compile)
     for change, message in (("--config.steps=100", "config.steps=100: .* already holds step 150"),
                             ("--config.data.seed=1", "the saved data iterator state is for data")):
         with pytest.raises(config_lib.ConfigError, match=message):

@@ -66,6 +66,11 @@ def validate_hetero(cfg) -> None:
     """Raises ConfigError for cfg.hetero (cfg: a Config: islands cut its model and batch)."""
     h = cfg.hetero
     if not h.islands:
+        for name, unset in (("placement", "pipeline"), ("island_layers", ()), ("auto_split", False)):
+            if getattr(h, name) != unset:  # accepted, and ignored
+                raise ConfigError(f"config.hetero.{name}={getattr(h, name)!r} without config.hetero.islands: "
+                                  f"it places a model on islands, and this config has none; unset it, or "
+                                  f"start from an islands config (configs/tiny_hetero.py)")
         return
     n = len(h.islands)
     names = [getattr(i, "name", None) for i in h.islands]
@@ -111,6 +116,11 @@ def validate_hetero(cfg) -> None:
     if cfg.mesh.pipeline not in (1, -1):
         raise ConfigError(f"config.mesh.pipeline={cfg.mesh.pipeline} with config.hetero.islands: "
                           f"each island's mesh is its own (config.hetero.islands[k].mesh)")
+    for axis, unset in (("data", 1), ("fsdp", -1), ("tensor", 1)):  # accepted, and ignored
+        if getattr(cfg.mesh, axis) != unset:
+            raise ConfigError(f"config.mesh.{axis}={getattr(cfg.mesh, axis)} with config.hetero.islands: each island "
+                              f"runs on its own mesh (config.hetero.islands[k].mesh), set in the config file; "
+                              f"leave config.mesh.{axis} at {unset}")
     if h.placement == "data" and cfg.pipeline.virtual_stages != 1:
         raise ConfigError(f"config.pipeline.virtual_stages={cfg.pipeline.virtual_stages} with config.hetero."
                           f"placement='data': islands exchange gradients in the model's layout, which "
@@ -165,6 +175,8 @@ def validate_hetero(cfg) -> None:
     checked = [(f"config.hetero.links[{k}]", link) for k, link in enumerate(h.links)]
     if not h.links or n > 2:
         checked.append(("config.hetero.link", h.link))
+    elif isinstance(h.link, LinkConfig):  # serves no pair, but a bad value is still a mistake
+        h.link.validate("config.hetero.link")
     for where, link in checked:
         if not isinstance(link, LinkConfig):
             raise ConfigError(f"{where}={link!r}: give a LinkConfig(backend=...)")
