@@ -395,3 +395,25 @@ def test_a_file_in_two_mixture_entries_is_refused_before_indexing(tmp_path):
         with pytest.raises(ConfigError, match=r"entries 'all' and 'b' both hold .*b\.jsonl: .*give each file to one"):
             data.build(cfg)
     assert not (tmp_path / "ix").exists()
+
+
+def test_a_file_and_a_directory_prepared_from_it_in_two_mixture_entries_are_refused(tmp_path):
+    """The same documents twice, as a JSONL file in one entry and as the directory prepared
+    from it in the other: each held out its own eval documents, so one trained on the
+    other's. Matched by content (prepare's recorded sha256), since a relative input path
+    says nothing from another directory."""
+    (tmp_path / "mx").mkdir()
+    (tmp_path / "mx" / "a.jsonl").write_bytes(jsonl(TEXT))
+    (tmp_path / "mx" / "b.jsonl").write_bytes(jsonl(TEXT[::-1]))
+    prepare.prepare(str(tmp_path / "mx" / "a.jsonl"), str(tmp_path / "prep"), progress=False)
+    (tmp_path / "copy.jsonl").write_bytes(jsonl(TEXT))  # the same bytes under another name
+
+    def build(other):
+        mix = (("prepared", 0.5, "array_record", str(tmp_path / "prep")), ("raw", 0.5, "jsonl", other))
+        return data.build(Config(model=ModelConfig(vocab_size=320),
+                                 data=DataConfig(mixture=mix, index_dir=str(tmp_path / "ix"))))
+    for other in (f"{tmp_path}/mx/*.jsonl", str(tmp_path / "copy.jsonl")):
+        with pytest.raises(ConfigError, match=r"entries 'prepared' and 'raw' both hold .*\.jsonl: .*prep was "
+                                              r"prepared from it"):
+            build(other)
+    build(str(tmp_path / "mx" / "b.jsonl"))  # other documents: mixed

@@ -250,6 +250,7 @@ def _check_mixture_files(entries) -> None:
     its own eval_fraction by its own document numbers, so the documents one entry holds
     out the other trains on."""
     owner: dict[str, str] = {}
+    prepared: dict[tuple[int, str], tuple[str, str]] = {}  # a prepared dir's inputs: (bytes, sha256) -> (entry, dir)
     for name, _, source, path in entries:
         what = f"config.data.mixture[{name!r}]"
         files = [Path(path)] if source == "array_record" else sources.expand(path, what)
@@ -260,6 +261,18 @@ def _check_mixture_files(entries) -> None:
                                   f"each holds out its own eval documents, so the eval documents of one would "
                                   f"be trained on by the other; give each file to one entry (narrow the "
                                   f"path of one so that it leaves the file out)")
+        if source == "array_record":
+            prepared.update({(s["bytes"], s["sha256"]): (name, path) for s in sources.prepared_inputs(path, what)})
+    # A file and a directory prepared from it, in two entries: matched by size, then by content
+    # (prepare recorded each input's sha256; its path may be relative to another directory).
+    sizes = {b for b, _ in prepared}
+    for real, name in owner.items():
+        if Path(real).is_file() and (size := Path(real).stat().st_size) in sizes:
+            theirs = prepared.get((size, sources.sha256(real)))
+            if theirs is not None and theirs[0] != name:
+                raise ConfigError(f"config.data.mixture entries {theirs[0]!r} and {name!r} both hold {real}: "
+                                  f"{theirs[1]} was prepared from it, so the eval documents of one would be "
+                                  f"trained on by the other; give its documents to one entry")
 
 
 def _check_held_out(source: str, path: str, eval_path: str) -> None:

@@ -61,14 +61,6 @@ def _line_format(files: list[Path], input: str) -> str:
     return next(iter(found), "text")  # only Parquet/Arrow: the format is not used
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -168,12 +160,12 @@ def prepare(input: str, output: str, *, fmt: str = "", field: str = "text", toke
     digest = hashlib.sha256("".join(r["digest"] for r in order).encode()).hexdigest()
     tok_file = None if tokenizer == "byte" else str(tokenizers.resolve(tokenizer))
     with ThreadPool(processes) as pool:  # hashlib lets go of the GIL
-        hashes = pool.map(_sha256, [s["path"] for s in stats])
+        hashes = pool.map(sources.sha256, [s["path"] for s in stats])
     meta = {"shards": [s for r in order for s in r["shards"]], "num_documents": int(len(lengths)),
             "tokens": int(lengths.sum()), "bos_id": tok.bos_id, "eos_id": tok.eos_id,
             "add_bos": tok.add_bos, "add_eos": tok.add_eos, "vocab_size": tok.vocab_size,
             "tokenizer": tok.fingerprint, "tokenizer_file": tok_file,
-            "tokenizer_sha256": _sha256(tok_file) if tok_file else None,
+            "tokenizer_sha256": sources.sha256(tok_file) if tok_file else None,
             "sources": [{"path": s["path"], "bytes": s["bytes"], "sha256": h} for s, h in zip(stats, hashes)],
             "units": len(units), "skipped": sum(r["skipped"] for r in order), "digest": digest[:20],
             "format": fmt, "field": field}

@@ -241,6 +241,25 @@ def _save_atomic(path: Path, arrays: dict) -> None:
               f"config.data.index_dir to a writable directory to keep it", flush=True)
 
 
+def prepared_inputs(directory: str, what: str) -> list[dict]:
+    """The inputs a prepared directory was made from, as meta.json records them (path,
+    bytes, sha256); [] for a manifest without them (ArrayRecordSource names a bad one)."""
+    try:
+        return [s for s in json.loads((Path(directory) / "meta.json").read_text()).get("sources", [])
+                if isinstance(s, dict) and {"bytes", "sha256"} <= s.keys()]
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
+def sha256(path: str) -> str:
+    """The hex sha256 of a file's bytes, read in 4 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 class ArrayRecordSource:
     """Token shards written by `python -m hetjax.data.prepare` (a directory)."""
 
