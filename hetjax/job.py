@@ -166,8 +166,9 @@ class MeshJob:
             memory.check_fits(cfg, estimate, mesh)
 
         if not compile_only:
-            checkpoint_readable.check_shared(checkpoint.default_dir(cfg), cfg.hetero.timeout_s)
-            self.checkpoints = checkpoint.Manager(checkpoint.default_dir(cfg), cfg.checkpoint,
+            directory = checkpoint.default_dir(cfg)
+            checkpoint_readable.check_shared(directory, cfg.hetero.timeout_s)
+            self.checkpoints = checkpoint.Manager(directory, cfg.checkpoint,
                                                   peer_timeout_s=cfg.hetero.timeout_s)
             # An uneven split's padded rows: (3, 1) and (1, 3) have the same shapes, and a
             # checkpoint of one would load into the other scrambled (checkpoint_fit.check_split).

@@ -154,12 +154,17 @@ def _wandb_mode(w: WandbConfig) -> tuple[str, str]:
         return w.mode, "config.wandb.mode"
     if "WANDB_MODE" in os.environ:
         return os.environ["WANDB_MODE"], "WANDB_MODE"
-    folder = os.environ.get("WANDB_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".config", "wandb")
-    for path in (os.path.join("wandb", "settings"), os.path.join(folder, "settings")):
+    for path in (os.path.join("wandb", "settings"), _wandb_settings_file()):
         mode = _wandb_setting(path, "mode")
         if mode is not None:
             return mode, f"mode in {path}"
     return "online", "the default mode"
+
+
+def _wandb_settings_file() -> str:
+    """wandb's own settings file (where `wandb login --host` keeps the server)."""
+    folder = os.environ.get("WANDB_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".config", "wandb")
+    return os.path.join(folder, "settings")
 
 
 def _wandb_setting(path: str, key: str) -> str | None:
@@ -183,8 +188,7 @@ def _wandb_logged_in() -> bool:
     from urllib.parse import urlparse
     url, default = os.environ.get("WANDB_BASE_URL"), _wandb_default_url()
     if not url:
-        folder = os.environ.get("WANDB_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".config", "wandb")
-        url = _wandb_setting(os.path.join(folder, "settings"), "base_url") or default
+        url = _wandb_setting(_wandb_settings_file(), "base_url") or default
     parsed = urlparse(url)
     hosts = [parsed.netloc, parsed.hostname]
     if url == default:  # wandb falls back to the upstream server's key (wandb 0.31's forge)

@@ -17,7 +17,6 @@ import functools
 import hashlib
 import json
 import os
-import math
 import signal
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import numpy as np
 from hetjax.errors import ConfigError
 from hetjax import stop as stop_lib
 from hetjax.data import mixture, packing, sources, synthetic, tokenizers
+from hetjax.sharding import shards
 
 
 def local_rows(shardings: dict, batch_size: int) -> np.ndarray:
@@ -36,8 +36,7 @@ def local_rows(shardings: dict, batch_size: int) -> np.ndarray:
     sharding = next(iter(shardings.values()))
     # As many columns as the length dimension has shards (sequence sharding): one column
     # would not divide over them.
-    entry = (tuple(sharding.spec) + (None, None))[1]
-    width = math.prod(sharding.mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
+    width = shards((tuple(sharding.spec) + (None, None))[1], sharding.mesh.shape)
     rows = set()
     for idx in sharding.addressable_devices_indices_map((batch_size, width)).values():
         rows.update(range(*idx[0].indices(batch_size)))
@@ -262,7 +261,7 @@ def _check_mixture_files(entries) -> None:
                                   f"be trained on by the other; give each file to one entry (narrow the "
                                   f"path of one so that it leaves the file out)")
         if source == "array_record":
-            prepared.update({(s["bytes"], s["sha256"]): (name, path) for s in sources.prepared_inputs(path, what)})
+            prepared.update({(s["bytes"], s["sha256"]): (name, path) for s in sources.prepared_inputs(path)})
     # A file and a directory prepared from it, in two entries: matched by size, then by content
     # (prepare recorded each input's sha256; its path may be relative to another directory).
     sizes = {b for b, _ in prepared}

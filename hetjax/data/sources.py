@@ -241,7 +241,7 @@ def _save_atomic(path: Path, arrays: dict) -> None:
               f"config.data.index_dir to a writable directory to keep it", flush=True)
 
 
-def prepared_inputs(directory: str, what: str) -> list[dict]:
+def prepared_inputs(directory: str) -> list[dict]:
     """The inputs a prepared directory was made from, as meta.json records them (path,
     bytes, sha256); [] for a manifest without them (ArrayRecordSource names a bad one)."""
     try:

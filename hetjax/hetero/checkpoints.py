@@ -48,8 +48,9 @@ def held_by_all(steps: list[int], rows) -> list[int]:
 def manager(cfg, name: str) -> checkpoint.Manager:
     """Island `name`'s manager: it keeps its last config.checkpoint.keep steps, and also
     every step from the newest one all islands hold (Checkpoints.save raises that)."""
-    checkpoint_readable.check_shared(checkpoint.default_dir(cfg) / name, cfg.hetero.timeout_s)  # the island's world
-    return checkpoint.Manager(checkpoint.default_dir(cfg) / name, cfg.checkpoint, keep_from=0,
+    directory = checkpoint.default_dir(cfg) / name
+    checkpoint_readable.check_shared(directory, cfg.hetero.timeout_s)  # among the island's own processes
+    return checkpoint.Manager(directory, cfg.checkpoint, keep_from=0,
                               peer_timeout_s=cfg.hetero.timeout_s)
 
 

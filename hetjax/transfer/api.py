@@ -61,6 +61,11 @@ class Endpoint:
         if self.closed:
             raise TransferError(f"{what}: this endpoint is closed")
 
+    @staticmethod
+    def twin(tag: str) -> TransferError:
+        """The error for a second receive of a tag in flight: it would race the first for the message."""
+        return TransferError(f"recv {tag!r}: a receive with this tag is already posted; tags must be unique in flight")
+
     def copied(self, tag: str, start: float) -> None:
         """Reports a copy from `start` until now to the observer, if any."""
         if self.observer is not None:

@@ -134,8 +134,7 @@ class DirectEndpoint(Endpoint):
         self.check_open(f"recv {tag!r}")
         with self._lock:
             if tag in self._posted:
-                raise TransferError(f"recv {tag!r}: a receive with this tag is already posted; tags must be "
-                                    f"unique in flight")
+                raise self.twin(tag)
             self._posted.add(tag)
         handle = core.Handle(None, f"recv {tag!r}")
         handle.watch(None, self.cfg.timeout_s)  # bounds the fan-out; pulls have their own wait

@@ -60,7 +60,7 @@ class HostEndpoint(Endpoint):
         self._unauthenticated = 0
         self._threads: set[threading.Thread] = set()  # accepting and receiving (close() waits for them)
         self._log_after, self._unlogged = 0.0, 0
-        self._closed = self._closing = False
+        self._shut = False  # close() shut the sockets (self.closed, Endpoint's, is set as it begins)
         # Streams holding chunks whose END is not acknowledged yet: a receive completes
         # when its last byte lands, just before the END frame is read and acknowledged,
         # so close() waits for these or the sender would see its peer vanish.
@@ -96,9 +96,9 @@ class HostEndpoint(Endpoint):
         handle.watch(inbox.activity.idle, self.cfg.timeout_s,
                      wire.pinger(peers, senders, self._secret, HANDSHAKE_S, inbox.owing()), self.cfg.busy_timeout_s)
         with self._posted:
-            if tag in self._inboxes or self._closing:  # closed: no peer's message would ever land
-                raise TransferError(f"recv {tag!r}: " + ("this endpoint is closed" if self._closing else
-                                    "a receive with this tag is already posted; tags must be unique in flight"))
+            self.check_open(f"recv {tag!r}")
+            if tag in self._inboxes:
+                raise self.twin(tag)
             self._inboxes[tag] = inbox
             self._posted.notify_all()
         # By id, not the inbox itself: the handle's future keeps its callbacks, and an inbox
@@ -136,11 +136,11 @@ class HostEndpoint(Endpoint):
         """Accepts connections until close(). An accept error (out of descriptors or memory)
         is waited out with a growing pause, connections waiting in the kernel's backlog."""
         pause = 0.0
-        while not self._closed:
+        while not self._shut:
             try:
                 conn, addr = listener.accept()
             except OSError as e:
-                if self._closed:
+                if self._shut:
                     return
                 pause = min(1.0, 2 * pause or 0.01)
                 self.accept_errors += 1
@@ -148,7 +148,7 @@ class HostEndpoint(Endpoint):
                           f"a connection ({e}); retrying")
                 time.sleep(pause)
                 continue
-            if self._closed:  # arrived as close() ran
+            if self._shut:  # arrived as close() ran
                 conn.close()
                 return
             pause, peer = 0.0, link.address(*addr[:2])
@@ -256,7 +256,7 @@ class HostEndpoint(Endpoint):
                 inbox.fail(e)
             if busy:  # before the refusal's drain: close() need not wait for it
                 busy = self._settle(-1)
-            if not self._closed:
+            if not self._shut:
                 log.warning("transfer: stream from %s closed: %s", peer, e)
                 if not isinstance(e, TransferTimeout):  # a refusal, not a peer gone silent or away
                     wire.refuse(conn, tag, str(e), peer, min(self.cfg.timeout_s, CLOSE_GRACE_S))
@@ -281,7 +281,7 @@ class HostEndpoint(Endpoint):
         with self._posted:
             while tag not in self._inboxes:
                 left = deadline - time.monotonic()
-                if self._closing:
+                if self.closed:
                     raise TransferError(f"peer {peer} sent tag {tag!r}, but no receive for it was posted before "
                                         f"this endpoint began to close; message refused")
                 if left <= 0:
@@ -405,14 +405,14 @@ class HostEndpoint(Endpoint):
     def _streams(self, addresses: tuple[str, ...]) -> list["Stream"]:
         """The streams to one destination process, started on first use."""
         with self._pipes_lock:
-            if self._closed:
+            if self._shut:
                 raise TransferError("send: the endpoint is closed")
             if addresses not in self._pipes:
                 self._pipes[addresses] = [Stream(self, addresses[k % len(addresses)]) for k in range(self.cfg.streams)]
             return self._pipes[addresses]
 
     def close(self):
-        self._closing = True  # refuse new messages now (_inbox), so only the last ones are waited for
+        self.closed = True  # refuse new messages now (_inbox), so only the last ones are waited for
         with self._posted:
             self._posted.notify_all()
         deadline = time.monotonic() + min(self.cfg.timeout_s, CLOSE_GRACE_S)
@@ -420,7 +420,7 @@ class HostEndpoint(Endpoint):
             while self._unacked and (left := deadline - time.monotonic()) > 0:
                 self._quiet.wait(left)
         with self._pipes_lock:  # no stream starts after this (_streams)
-            self._closed = True
+            self._shut = True
         with self._gate:
             conns = list(self._conns)
         for s in self._listeners + conns:

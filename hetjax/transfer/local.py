@@ -46,8 +46,7 @@ class LocalEndpoint(Endpoint):
         self.check_open(f"recv {tag!r}")
         with _arrived:
             if tag in _posted:
-                raise TransferError(f"recv {tag!r}: a receive with this tag is already posted; tags must be "
-                                    f"unique in flight")
+                raise self.twin(tag)
             _posted.add(tag)
         handle = core.Handle(None, f"recv {tag!r}")
         return handle.run(self._receive, tag, expect, handle)
