@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -41,7 +42,27 @@ class Estimate:
         return f"{self.total / GiB:.2f} GiB per device ({parts})"
 
 
-def _attention_scores(cfg: Config, tensor: int) -> float:
+class Splits(NamedTuple):
+    """How many ways config.sharding.rules split each kind of a layer's activations,
+    past their batch and length (each its own: a rule edited for an experiment changes
+    what each device holds of that kind only)."""
+
+    embed: int = 1  # the residual stream, norms
+    heads: int = 1  # queries, attention outputs, the attention's logits
+    kv: int = 1  # keys and values
+    mlp: int = 1  # SwiGLU's hidden units
+
+
+def activation_splits(rules, sizes) -> Splits:
+    """Splits of the activations as the model constrains them (models/llama.py), by
+    `rules` on a mesh of `sizes` (mesh axis -> size)."""
+    def past_tokens(*logical) -> int:
+        return math.prod(sharding.shards(axes, sizes) for axes in sharding.spec_for(("batch", "length", *logical), rules)[2:])
+    return Splits(embed=past_tokens("embed"), heads=past_tokens("heads", "head_dim"),
+                  kv=past_tokens("kv_heads", "head_dim"), mlp=past_tokens("mlp"))
+
+
+def _attention_scores(cfg: Config, split: Splits) -> float:
     """Bytes per token and layer of the attention's logits and probabilities: XLA's
     attention ("auto" is XLA too) holds a row of seq_len logits per head and query in
     fp32 whatever the compute dtype, and the probabilities at the compute width; cuDNN's
@@ -49,29 +70,30 @@ def _attention_scores(cfg: Config, tensor: int) -> float:
     m = cfg.model
     if m.attention_impl == "cudnn":
         return 0.0
-    return m.num_heads / tensor * cfg.seq_len * (4 + np.dtype(m.dtype).itemsize)
+    return m.num_heads / split.heads * cfg.seq_len * (4 + np.dtype(m.dtype).itemsize)
 
 
-def _activation_bytes_per_layer_token(cfg: Config, tensor: int, remat: str) -> float:
+def _activation_bytes_per_layer_token(cfg: Config, split: Splits, remat: str) -> float:
     """Bytes one layer keeps per token for the backward pass under the policy `remat`."""
     m = cfg.model
     width = np.dtype(m.dtype).itemsize
-    heads = m.num_heads * m.head_dim / tensor
-    kv = 2 * m.num_kv_heads * m.head_dim / tensor
-    mlp = m.mlp_dim / tensor
-    scores = _attention_scores(cfg, tensor)
+    embed = m.embed_dim / split.embed
+    heads = m.num_heads * m.head_dim / split.heads
+    kv = 2 * m.num_kv_heads * m.head_dim / split.kv
+    mlp = m.mlp_dim / split.mlp
+    scores = _attention_scores(cfg, split)
     logits = scores * 4 / (4 + width)  # the fp32 part of them
     # The fused kernel's softmax statistics, one fp32 per head: its backward reads them
     # under any policy that does not recompute the attention.
-    stats = m.num_heads / tensor * 4 if m.attention_impl == "cudnn" else 0.0
+    stats = m.num_heads / split.heads * 4 if m.attention_impl == "cudnn" else 0.0
     return {
         # Everything the backward pass reads: norms, residuals, q/k/v, attention, SwiGLU.
-        "none": (5 * m.embed_dim + 2 * heads + kv + 3 * mlp) * width + scores + stats,
+        "none": (5 * embed + 2 * heads + kv + 3 * mlp) * width + scores + stats,
         # Every matmul's output, the batched QK^T logits among them (or cuDNN's attention).
-        "dots": (2 * m.embed_dim + 2 * heads + kv + 2 * mlp) * width + logits + stats,
+        "dots": (2 * embed + 2 * heads + kv + 2 * mlp) * width + logits + stats,
         # Unbatched matmuls only: not QK^T nor PV.
-        "dots_no_batch": (2 * m.embed_dim + heads + kv + 2 * mlp) * width,
-        "full": m.embed_dim * width,  # the layer's input only; the rest is recomputed
+        "dots_no_batch": (2 * embed + heads + kv + 2 * mlp) * width,
+        "full": embed * width,  # the layer's input only; the rest is recomputed
     }[remat]
 
 
@@ -103,14 +125,15 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
 
     def splits(*logical) -> list[int]:
         return [sharding.shards(axes, mesh.shape) for axes in sharding.spec_for(logical, cfg.sharding.rules)]
-    rows, positions, tensor, _ = splits("batch", "length", "heads", "head_dim")
+    rows, positions = splits("batch", "length")
     batch_shards = rows * positions  # rows x positions of a device's tokens
-    per_token_layer = _activation_bytes_per_layer_token(cfg, tensor, cfg.model.remat)
+    split = activation_splits(cfg.sharding.rules, mesh.shape)
+    per_token_layer = _activation_bytes_per_layer_token(cfg, split, cfg.model.remat)
     m = cfg.model
     # One layer's full working set is live while the backward pass recomputes or
     # consumes it, with the gradients of its attention logits and probabilities beside
     # them, plus the output's fp32 logits and their gradient.
-    working = _activation_bytes_per_layer_token(cfg, tensor, "none") + _attention_scores(cfg, tensor)
+    working = _activation_bytes_per_layer_token(cfg, split, "none") + _attention_scores(cfg, split)
     logits = 2 * 4 * m.vocab_size / splits("batch", "length", "vocab")[2]
     stages = mesh.shape["pipeline"]
     if stages > 1:

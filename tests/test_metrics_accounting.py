@@ -163,14 +163,14 @@ def test_the_cudnn_activation_estimate_counts_what_jax_saves_for_the_backward(mo
         saved = [a for a, why in saved_residuals(loss, params) if "apply_layers" in why]  # the layers' scan
         stats = [a for a in saved if a.dtype == jnp.float32 and a.shape == (m.num_layers, B, m.num_heads, T)]
         per = lambda avals: sum(a.size * a.dtype.itemsize for a in avals) / (m.num_layers * B * T)
-        return per(saved), per(stats), memory._activation_bytes_per_layer_token(cfg, 1, remat)
+        return per(saved), per(stats), memory._activation_bytes_per_layer_token(cfg, memory.Splits(), remat)
 
     saved, stats, estimate = per_layer_token("dots")
     assert stats > 0 and estimate == saved
     _, stats_none, with_stats = per_layer_token("none")
     assert stats_none == stats  # saved under "none" too
     xla = config("none", "xla")  # the same layer with XLA's attention, less its logits and probabilities
-    assert with_stats == memory._activation_bytes_per_layer_token(xla, 1, "none") - memory._attention_scores(xla, 1) + stats
+    assert with_stats == memory._activation_bytes_per_layer_token(xla, memory.Splits(), "none") - memory._attention_scores(xla, memory.Splits()) + stats
 
 
 def test_a_pipelines_activation_estimate_counts_its_micro_batches_and_stages():
@@ -346,3 +346,23 @@ def test_the_activation_estimate_splits_the_batch_as_the_rules_do():
     est = memory.estimate(cfg, prog.layouts, mesh)
     peak = aot.analysis(prog.compile_train_step())["peak_bytes"]
     assert est.total == pytest.approx(peak, rel=0.2), (est, peak)
+
+
+@pytest.mark.parametrize("unsplit", [("mlp",), ("heads", "kv_heads")])
+def test_each_kind_of_activation_splits_as_its_own_rule_says(unsplit):
+    """With `mlp` (or the heads) mapped to no mesh axis while the others go to tensor,
+    the estimate still split them by tensor: 0.53 of XLA's peak with mlp unsplit (the
+    memory check let through what could not fit), 1.3x with the heads unsplit."""
+    from hetjax.compile import aot
+    rules = tuple((k, None if k in unsplit else v) for k, v in config_lib.DEFAULT_RULES)
+    cfg = dataclasses.replace(tiny(num_layers=4, embed_dim=512, mlp_dim=1792, num_heads=8, num_kv_heads=8,
+                                   head_dim=64, vocab_size=8192), batch_size=16, seq_len=256,
+                              mesh=MeshConfig(fsdp=2, tensor=4),
+                              sharding=dataclasses.replace(config_lib.load("tiny").sharding, rules=rules,
+                                                           max_replicated_fraction=1.0))
+    config_lib.validate(cfg)
+    mesh = make_mesh(cfg.mesh)
+    prog = program.build(cfg, mesh)
+    est = memory.estimate(cfg, prog.layouts, mesh)
+    peak = aot.analysis(prog.compile_train_step())["peak_bytes"]
+    assert est.total == pytest.approx(peak, rel=0.25), (est, peak)
