@@ -358,6 +358,29 @@ def test_an_hf_tokenizer_encodes_special_token_text_as_text_and_counts_its_highe
         tokenizers.check_vocab(t, 10, "config.data.tokenizer")
 
 
+def test_an_hf_tokenizer_saved_with_truncation_and_padding_encodes_whole_documents(tmp_path):
+    """A tokenizer.json saved after a call with truncation and padding keeps them: every
+    document was cut to 8 tokens and padded to its batch's longest, without a word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from hetjax.data import tokenizers
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["a document of words"] * 8, trainers.BpeTrainer(
+        vocab_size=60, special_tokens=["<pad>"], initial_alphabet=list("abcdefghijklmnopqrstuvwxyz")))
+    tok.save(str(tmp_path / "plain.json"))
+    tok.enable_truncation(8)
+    tok.enable_padding(pad_id=0, pad_token="<pad>")
+    tok.save(str(tmp_path / "cut.json"))
+    plain, cut = (tokenizers.load(str(tmp_path / f)) for f in ("plain.json", "cut.json"))
+    long, short = " ".join(["document words"] * 10), "a word"
+    assert len(plain.encode(long)) > 8
+    assert cut.encode(long).tolist() == plain.encode(long).tolist()
+    assert [x.tolist() for x in cut.encode_batch([long, short])] == [plain.encode(long).tolist(),
+                                                                     plain.encode(short).tolist()]
+    assert cut.fingerprint != plain.fingerprint and plain.fingerprint.startswith("hf2-")  # old runs resume
+
+
 def test_data_settings_their_source_ignores_are_refused():
     """Forgetting config.data.source=jsonl trained on the synthetic language, the path,
     eval_path and tokenizer given unread."""

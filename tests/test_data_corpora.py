@@ -2,8 +2,10 @@
 tokenizers told apart by content, BOS/EOS conventions, mixtures, and a real-text run."""
 
 import base64
+import bz2
 import gzip
 import json
+import lzma
 import os
 import shutil
 import signal
@@ -38,6 +40,8 @@ def write_corpora(root: Path) -> dict[str, str]:
     (root / "a.jsonl").write_bytes(jsonl(TEXT))
     (root / "b.jsonl.gz").write_bytes(gzip.compress(jsonl(TEXT[:30])) + gzip.compress(jsonl(TEXT[30:])))
     (root / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl(TEXT)))
+    (root / "e.jsonl.bz2").write_bytes(bz2.compress(jsonl(TEXT)))  # read as text, so junk documents, before
+    (root / "f.jsonl.xz").write_bytes(lzma.compress(jsonl(TEXT)))
     table = pa.table({"id": list(range(60)), "text": TEXT})
     pq.write_table(table, root / "d.parquet", row_group_size=7)
     ds = root / "saved"  # what datasets' save_to_disk writes: Arrow streams listed in state.json
@@ -49,7 +53,7 @@ def write_corpora(root: Path) -> dict[str, str]:
                                                                for k in range(2)]}))
     (ds / "dataset_info.json").write_text("{}")
     return {"plain": str(root / "a.jsonl"), "gzip": str(root / "b.jsonl.gz"), "zstd": str(root / "c.jsonl.zst"),
-            "parquet": str(root / "d.parquet"), "saved": str(ds)}
+            "bz2": str(root / "e.jsonl.bz2"), "xz": str(root / "f.jsonl.xz"), "parquet": str(root / "d.parquet"), "saved": str(ds)}
 
 
 def read_back(directory) -> list[bytes]:
@@ -71,7 +75,7 @@ def test_every_input_kind_prepares_to_the_same_documents_on_any_process_count(tm
     assert one["digest"] == many["digest"] and many["units"] == one["units"] > 1
     # A glob over shards of several kinds keeps their order.
     meta = prepare.prepare(str(tmp_path / "in" / "*.jsonl*"), str(tmp_path / "glob"), progress=False)
-    assert read_back(tmp_path / "glob") == expected * 3 and len(meta["sources"]) == 3
+    assert read_back(tmp_path / "glob") == expected * 5 and len(meta["sources"]) == 5
 
 
 
@@ -417,3 +421,13 @@ def test_a_file_and_a_directory_prepared_from_it_in_two_mixture_entries_are_refu
                                               r"prepared from it"):
             build(other)
     build(str(tmp_path / "mx" / "b.jsonl"))  # other documents: mixed
+    # Two directories prepared from one file: as two entries, and as training and eval data.
+    prepare.prepare(f"{tmp_path}/mx/b.jsonl,{tmp_path}/copy.jsonl", str(tmp_path / "prep2"), progress=False)
+    mix = (("one", 0.5, "array_record", str(tmp_path / "prep")), ("two", 0.5, "array_record", str(tmp_path / "prep2")))
+    with pytest.raises(ConfigError, match=r"entries 'one' and 'two' both hold .*copy\.jsonl: .*prep and .*prep2 "
+                                          r"were both prepared from it"):
+        data.build(Config(model=ModelConfig(vocab_size=320), data=DataConfig(mixture=mix)))
+    held = DataConfig(source="array_record", path=str(tmp_path / "prep2"), eval_path=str(tmp_path / "prep"))
+    with pytest.raises(ConfigError, match=r"config.data.eval_path=.*prep' and config.data.path=.*prep2' were both "
+                                          r"prepared from .*copy\.jsonl: the eval documents would be trained on"):
+        data.build(Config(model=ModelConfig(vocab_size=320), data=held))

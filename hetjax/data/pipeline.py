@@ -261,7 +261,13 @@ def _check_mixture_files(entries) -> None:
                                   f"be trained on by the other; give each file to one entry (narrow the "
                                   f"path of one so that it leaves the file out)")
         if source == "array_record":
-            prepared.update({(s["bytes"], s["sha256"]): (name, path) for s in sources.prepared_inputs(path)})
+            for s in sources.prepared_inputs(path):
+                theirs = prepared.setdefault((s["bytes"], s["sha256"]), (name, path))
+                if theirs[0] != name:
+                    raise ConfigError(f"config.data.mixture entries {theirs[0]!r} and {name!r} both hold "
+                                      f"{s.get('path', 'a file')}: {theirs[1]} and {path} were both prepared "
+                                      f"from it, so the eval documents of one would be trained on by the "
+                                      f"other; give its documents to one entry")
     # A file and a directory prepared from it, in two entries: matched by size, then by content
     # (prepare recorded each input's sha256; its path may be relative to another directory).
     sizes = {b for b, _ in prepared}
@@ -278,6 +284,14 @@ def _check_held_out(source: str, path: str, eval_path: str) -> None:
     """Refuses eval files that the training files include (a glob over a folder that holds both)."""
     if source == "array_record":
         train, held = {Path(path).resolve()}, {Path(eval_path).resolve()}
+        # Two directories prepared from one file (matched by content: paths may be relative).
+        inputs = {(s["bytes"], s["sha256"]): s.get("path", "?") for s in sources.prepared_inputs(path)}
+        shared = [inputs[k] for s in sources.prepared_inputs(eval_path) if (k := (s["bytes"], s["sha256"])) in inputs]
+        if shared and not train & held:
+            raise ConfigError(f"config.data.eval_path={eval_path!r} and config.data.path={path!r} were both "
+                              f"prepared from {', '.join(map(str, shared[:3]))}{' ...' if len(shared) > 3 else ''}: "
+                              f"the eval documents would be trained on; prepare the training directory "
+                              f"without the eval files")
     else:
         train = {f.resolve() for f in sources.expand(path)}
         held = {f.resolve() for f in sources.expand(eval_path, "config.data.eval_path")}

@@ -5,9 +5,9 @@
         [--processes N] [--docs_per_shard 100000] [--skip_bad]
 
 Inputs (comma-separated paths or globs): text (one document a line) and JSONL, plain,
-gzip or zstd; Parquet files (the --field column, read by row groups); a directory
+gzip, zstd, bz2 or xz; Parquet files (the --field column, read by row groups); a directory
 saved by `datasets`' save_to_disk. Without --format a text/JSONL file's name says which
-(.jsonl or .json, any case, before .gz/.zst: JSONL; else text), and names that disagree
+(.jsonl or .json, any case, before .gz/.zst/.bz2/.xz: JSONL; else text), and names that disagree
 are refused; a file named twice is refused too. A UTF-8 BOM opening a file is dropped.
 The inputs are cut into units (hetjax/data/readers.py) that N processes (default:
 every core) tokenize in batches, each unit into its own shards
@@ -42,7 +42,9 @@ OPTIONS = {"--input": None, "--output": None, "--format": "", "--field": "text",
 
 
 def _format(path: Path) -> str:
-    name = path.name.lower().removesuffix(".gz").removesuffix(".zst").removesuffix(".zstd")
+    name = path.name.lower()
+    for suffix in (".gz", ".zst", ".zstd", ".bz2", ".xz"):
+        name = name.removesuffix(suffix)
     return "jsonl" if name.endswith((".jsonl", ".json")) else "text"
 
 

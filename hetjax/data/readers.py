@@ -1,8 +1,8 @@
-"""Documents out of corpus files: text and JSONL (plain, gzip or zstd), Parquet and
+"""Documents out of corpus files: text and JSONL (plain, gzip, zstd, bz2 or xz), Parquet and
 Hugging Face datasets saved on disk, cut into units that processes read in parallel.
 
 A unit is a piece of one input that can be read on its own: a byte range of a plain
-file (it owns the lines that start in it), a whole compressed file (a gzip or zstd
+file (it owns the lines that start in it), a whole compressed file (a compressed
 stream cannot be entered in the middle), a run of a Parquet file's row groups, or
 one Arrow file of a saved dataset. Units are a function of the inputs and
 `chunk_bytes` alone, so any number of processes produces the same documents in the
@@ -11,11 +11,13 @@ same order. Kinds are told apart by content (magic bytes), not by name.
 
 from __future__ import annotations
 
+import bz2
 import dataclasses
 import glob
 import gzip
 import io
 import json
+import lzma
 import os
 import zlib
 from pathlib import Path
@@ -27,7 +29,7 @@ from hetjax.errors import DataError
 @dataclasses.dataclass(frozen=True)
 class Unit:
     path: str
-    kind: str  # plain | gzip | zstd | parquet | arrow
+    kind: str  # plain | gzip | zstd | bz2 | xz | parquet | arrow
     start: int = 0  # plain: byte range; parquet: row groups
     stop: int = -1
 
@@ -67,7 +69,7 @@ def hf_dataset_files(root: Path, what: str) -> list[Path]:
 
 
 def kind(path: Path) -> str:
-    """plain | gzip | zstd | parquet | arrow (a saved dataset's file: by name, Arrow streams have no magic)."""
+    """plain | gzip | zstd | bz2 | xz | parquet | arrow (a saved dataset's file: by name, Arrow streams have no magic)."""
     return "arrow" if path.suffix.lower() == ".arrow" else sources.kind(path)
 
 
@@ -160,9 +162,9 @@ def _lines(unit: Unit):
                 yield lineno if unit.start == 0 else f"byte {pos}", body.rstrip(b"\r\n")
                 pos += len(line)
         return
-    broken: tuple = (OSError, EOFError, zlib.error)
-    if unit.kind == "gzip":
-        stream = gzip.open(unit.path, "rb")
+    broken: tuple = (OSError, EOFError, zlib.error, lzma.LZMAError)
+    if unit.kind in ("gzip", "bz2", "xz"):
+        stream = {"gzip": gzip, "bz2": bz2, "xz": lzma}[unit.kind].open(unit.path, "rb")
     else:
         zstd = cli.need("zstandard", "zstd", f"the zstd file {unit.path}")
         broken += (zstd.ZstdError,)

@@ -122,19 +122,16 @@ def _parse(body: bytes, fmt: str, field: str) -> str:
     return text
 
 
-GZIP, ZSTD, PARQUET = b"\x1f\x8b", b"\x28\xb5\x2f\xfd", b"PAR1"
+GZIP, ZSTD, PARQUET, BZIP2, XZ = b"\x1f\x8b", b"\x28\xb5\x2f\xfd", b"PAR1", b"BZh", b"\xfd7zXZ\x00"
 
 
 def kind(path: Path) -> str:
-    """plain | gzip | zstd | parquet, from the file's first bytes."""
+    """plain | gzip | zstd | bz2 | xz | parquet, from the file's first bytes."""
     with open(path, "rb") as f:
-        head = f.read(4)
-    if head[:2] == GZIP:
-        return "gzip"
-    if head == ZSTD:
-        return "zstd"
-    if head == PARQUET:
-        return "parquet"
+        head = f.read(6)
+    for name, magic in (("gzip", GZIP), ("zstd", ZSTD), ("parquet", PARQUET), ("bz2", BZIP2), ("xz", XZ)):
+        if head.startswith(magic):
+            return name
     return "plain"
 
 

@@ -82,6 +82,12 @@ class HFTokenizer(_Reloaded):
         # A document's text is text: "<|endoftext|>" quoted in it is not an EOS, as with
         # tiktoken's encode_ordinary (the same Llama 3 text gave other ids from each file).
         self._tok.encode_special_tokens = True  # tokenizers >= 0.15.1 (pyproject's extras say so)
+        # A file saved after a call with truncation=True or padding=True keeps them: every
+        # document would be cut to its max_length, and a batch's padded to its longest.
+        # hf3 marks a file whose tokens change by this (others keep hf2's fingerprint).
+        saved_cuts = self._tok.truncation is not None or self._tok.padding is not None
+        self._tok.no_truncation()
+        self._tok.no_padding()
         # The embedding needs a row for the highest id, which ids not counted from 0 exceed.
         self.vocab_size = 1 + max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
         extra = _tokenizer_config(Path(path).parent)
@@ -92,7 +98,7 @@ class HFTokenizer(_Reloaded):
         prepends = self._tok.encode("a", add_special_tokens=True).ids[:1] == [self.bos_id]
         self.add_bos = self.bos_id is not None and bool(extra.get("add_bos_token", prepends or "bos_token" not in extra))
         self.add_eos = self.eos_id is not None
-        self.fingerprint = "hf2-" + _file_digest(Path(path))  # hf2: special-token text encoded as text
+        self.fingerprint = ("hf3-" if saved_cuts else "hf2-") + _file_digest(Path(path))  # hf2: special-token text encoded as text
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
