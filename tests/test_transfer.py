@@ -561,6 +561,34 @@ def test_a_message_cut_off_between_chunks_fails_its_receive_at_once(monkeypatch)
         a.close(), b.close()
 
 
+def test_a_garbled_frame_header_between_two_chunks_fails_its_receive_at_once():
+    """A header that is not a JSON object (bad JSON, or a list) after a message's first
+    chunk left its receive waiting busy_timeout_s: the sender still answers pings."""
+    one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P())
+    like = jax.ShapeDtypeStruct((2048,), jnp.int32, sharding=one)
+    a, b = endpoints("host", timeout_s=30, busy_timeout_s=60, chunk_bytes=4096)
+    payload = memoryview(np.zeros(1024, np.int32).view(np.uint8))
+
+    def first(msg):  # a message's first chunk
+        return (wire.frame(wire.CHUNK, {"tag": "t", "msg": msg, "leaves": 1, "leaf": 0, "piece": 0, "shape": [2048],
+                                        "dtype": "int32", "region": [[0, 2048]], "offset": 0, "n": 4096})
+                + payload.tobytes() + wire.TRAILER.pack(wire.chunk_sum(b.checksum, 1, 0, 0, 0, payload)))
+    try:
+        for msg, garbled in enumerate((b'{"tag": "t', b'["t"]')):
+            r = b.recv("t", like, one, peers={0: a.addresses})
+            sock = wire.connect(b.addresses[0], LinkConfig().secret(), 5)
+            wire.sendall(sock, first(msg) + wire.FRAME.pack(wire.MAGIC, wire.CHUNK, len(garbled)) + garbled, "b")
+            start = time.monotonic()
+            with pytest.raises(TransferError, match=r"between two chunks: peer .* sent a frame header that is not"):
+                r.wait()
+            assert time.monotonic() - start < 10
+            sock.close()
+        with pytest.raises(TransferError, match=r"recv 'p': peers\[0\]='127.0.0.1:9'; give a tuple"):
+            b.recv("p", like, one, peers={0: "127.0.0.1:9"})  # its characters were pinged one by one
+    finally:
+        a.close(), b.close()
+
+
 def test_a_timed_out_receive_is_withdrawn_and_its_tag_can_be_posted_again():
     a, b = endpoints("host", timeout_s=0.5, busy_timeout_s=0.5)
     sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("a",)), P("a"))
@@ -591,7 +619,7 @@ def test_the_rest_of_a_message_whose_receive_was_withdrawn_is_refused_not_landed
 
     def chunk(k):
         payload = memoryview(stale[4096 * k:4096 * (k + 1)])
-        return (wire.frame(wire.CHUNK, dict(meta, offset=4096 * k)) + payload.tobytes()
+        return (wire.frame(wire.CHUNK, dict(meta, offset=4096 * k, msg=7)) + payload.tobytes()
                 + wire.TRAILER.pack(wire.chunk_sum(b.checksum, 1, 0, 0, 4096 * k, payload)))
     try:
         r = b.recv("t", like, one)
@@ -605,6 +633,13 @@ def test_the_rest_of_a_message_whose_receive_was_withdrawn_is_refused_not_landed
         assert kind == wire.REFUSE and "was withdrawn" in said["reason"]
         sock.close()
         assert not r.done()  # untouched by the old message
+        # Its rest on another stream, one that had not begun to write it: the same message id.
+        other = wire.connect(b.addresses[0], LinkConfig().secret(), 5)
+        wire.sendall(other, chunk(1), "b")
+        kind, said = wire.read_frame(other, "b", False, 5)
+        assert kind == wire.REFUSE and "was withdrawn" in said["reason"]
+        other.close()
+        assert not r.done()
         h = a.send(x, "t", one, peers={0: b.addresses})
         np.testing.assert_array_equal(np.asarray(r.wait()), np.asarray(x))
         h.wait()
@@ -686,6 +721,13 @@ def test_bad_link_config_names_the_field(monkeypatch):
         LinkConfig(chunk_bytes=10).validate()
     with pytest.raises(ConfigError, match=r"link.busy_timeout_s=5 is below link.timeout_s=60"):
         LinkConfig(busy_timeout_s=5).validate()
+    # inf and 1e10 passed, then every host send failed (OverflowError: a socket's time_t)
+    for field, value in (("busy_timeout_s", float("inf")), ("busy_timeout_s", 1e10), ("timeout_s", "60"),
+                         ("timeout_s", 0)):
+        with pytest.raises(ConfigError, match=rf"link.{field}={value!r}: give seconds, more than 0 and at most 1e\+07"):
+            LinkConfig(**{field: value}).validate()
+    with pytest.raises(ConfigError, match=r"link.port='5000': use 0"):
+        LinkConfig(port="5000").validate()
     monkeypatch.delenv("HETJAX_TRANSFER_SECRET")
     with pytest.raises(ConfigError, match="HETJAX_TRANSFER_SECRET"):
         open_endpoint(LinkConfig(backend="host"))

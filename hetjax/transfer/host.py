@@ -17,6 +17,7 @@ import collections
 import functools
 import itertools
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -24,7 +25,7 @@ import time
 from hetjax.errors import PeerLost
 from hetjax.transfer import buffers, core, link, stream, wire
 from hetjax.transfer.api import Endpoint
-from hetjax.transfer.inbox import Inbox
+from hetjax.transfer.inbox import Inbox, Withdrawn
 from hetjax.transfer.link import TransferError, TransferTimeout
 from hetjax.transfer.stream import Job, Stream
 
@@ -51,6 +52,7 @@ class HostEndpoint(Endpoint):
         self._sending: set[str] = set()  # the tags of sends in flight
         self.buffers = buffers.BufferPool()  # where received pieces land
         self._posted = threading.Condition()
+        self._withdrawn = Withdrawn()  # the messages of receives that ended, whose late chunks are refused
         self._pipes: dict[tuple, list[Stream]] = {}
         self._pipes_lock = threading.Lock()
         self._routes: dict[tuple, stream.Route] = {}
@@ -67,8 +69,7 @@ class HostEndpoint(Endpoint):
         self._unacked = 0
         self._quiet = threading.Condition()
         self.refused = 0  # connections refused: wrong secret, no handshake in time, too many at once
-        self.accept_errors = 0  # failed accept() calls (e.g. EMFILE), each backed off and survived
-        self.bytes_received = 0
+        self.accept_errors, self.bytes_received = 0, 0  # accept_errors: failed accept() calls, each survived
         self._listeners, addresses = [], []
         for host in cfg.listen_addresses:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -91,6 +92,8 @@ class HostEndpoint(Endpoint):
     def recv(self, tag, like, src, peers=None):
         expect = self.prepare_recv(tag, like, src)
         senders = sorted({p.src_process for plan in expect.plans for p in plan.received_by(self.process)})
+        if peers is not None:  # as send checks its own: a string's characters were pinged one by one
+            core.check_peers(peers, senders, f"recv {tag!r}", "source")
         handle = core.Handle(core.futures.Future(), f"recv {tag!r} from source {wire.named(peers, senders)}")
         inbox = Inbox(self, tag, expect, handle)
         handle.watch(inbox.activity.idle, self.cfg.timeout_s,
@@ -111,7 +114,7 @@ class HostEndpoint(Endpoint):
     def _drop(self, tag, key: int):
         with self._posted:
             if id(self._inboxes.get(tag)) == key:
-                del self._inboxes[tag]
+                self._withdrawn.add(self._inboxes.pop(tag).messages)
 
     def _start(self, target, *args, name: str) -> None:
         """Starts one of this endpoint's threads, which close() waits for."""
@@ -233,13 +236,11 @@ class HostEndpoint(Endpoint):
                 if kind != wire.END:
                     busy = busy or self._settle(+1)
                     posted = self._inbox(tag, peer)
-                    if began is not None and began[0] == tag and began[1] is not posted:
-                        # Its receive timed out and was withdrawn, and the tag posted again:
-                        # the rest of the old message must not land in the new receive.
-                        raise TransferError(f"recv {tag!r}: the receive that peer {peer}'s message began in was "
-                                            f"withdrawn (its wait timed out); the rest of that message is refused, "
-                                            f"and the receive posted since waits for a message of its own")
+                    # A receive that timed out is withdrawn and its tag may be posted again: the
+                    # rest of its message (on this stream or another) must not land in the new one.
+                    self._withdrawn.check(tag, meta.get("msg"), peer)
                     inbox = posted
+                    inbox.messages.add(meta.get("msg"))
                     if kind == wire.BATCH:  # the chunks' headers, then their payloads in that order
                         self._batch(conn, peer, inbox, meta["chunks"])
                     else:
@@ -339,6 +340,7 @@ class HostEndpoint(Endpoint):
         leaves, plans, _ = self.prepare_send(tree, tag, dst)
         route = self._route(leaves, plans, tag, peers)
         handle = core.Handle(core.futures.Future(), f"send {tag!r} to destination {route.named}")
+        message = secrets.randbits(63)  # not `random`'s: a seeded one (a test's) repeats it
         jobs = []  # (destination, stream, part)
         for q, addresses, parts in route.dests:
             streams = self._streams(addresses)
@@ -370,7 +372,7 @@ class HostEndpoint(Endpoint):
                      wire.pinger(peers, route.to, self._secret, HANDSHAKE_S,
                                  lambda: sorted(q for q, n in owed.items() if n)), self.cfg.busy_timeout_s)
         for q, pipe, part in jobs:
-            pipe.put(Job(tag, leaves, plans, part, handle, functools.partial(finished, q), {}, {}))
+            pipe.put(Job(tag, message, leaves, plans, part, handle, functools.partial(finished, q), {}, {}))
         # A send its waiter gave up on (TransferTimeout) frees its streams for the next ones.
         handle.future.add_done_callback(lambda f: [s.abort(tag) for _, s, _ in jobs] if f.exception() else None)
         return handle
@@ -424,8 +426,7 @@ class HostEndpoint(Endpoint):
         with self._gate:
             conns = list(self._conns)
         for s in self._listeners + conns:
-            # A bare close() wakes no thread blocked in accept() or recv() on Linux: the
-            # port would stay bound and the threads alive. shutdown() wakes them.
+            # shutdown() wakes threads blocked in accept() or recv() (on Linux a bare close() does not)
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:  # not connected (yet, or any more)
@@ -440,8 +441,7 @@ class HostEndpoint(Endpoint):
             self._posted.notify_all()
         for inbox in inboxes:  # their waiters would otherwise ping a live peer until busy_timeout_s
             inbox.fail(TransferError(f"recv {inbox.tag!r}: this endpoint was closed"))
-        # Its threads end now that their sockets are shut; one still waking as the
-        # interpreter finalizes would abort the process (docs/DESIGN.md).
+        # Its threads end now (sockets shut); one waking as the interpreter finalizes aborts it (docs/DESIGN.md)
         deadline = time.monotonic() + min(self.cfg.timeout_s, CLOSE_GRACE_S)
         with self._gate, self._pipes_lock:
             threads = list(self._threads) + [pipe.thread for streams in self._pipes.values() for pipe in streams]

@@ -4,6 +4,7 @@ them are still missing (and from which sender), and the blocks built from them."
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 import threading
 import time
@@ -39,11 +40,35 @@ def _lands(aval, device, pieces) -> bool:
             and all(p.nbytes > LAND_MIN_BYTES for p in pieces))
 
 
+class Withdrawn:
+    """The ids of the messages that receives which have ended took chunks of (the last
+    KEEP): the rest of such a message, on a stream that had not begun to write it when its
+    receive timed out, must not land in the receive posted since for the same tag."""
+
+    KEEP = 4096
+
+    def __init__(self):
+        self._ids: collections.OrderedDict = collections.OrderedDict()
+
+    def add(self, messages) -> None:
+        for m in messages - {None}:  # None: a sender that names no message
+            self._ids[m] = None
+        while len(self._ids) > self.KEEP:
+            self._ids.popitem(last=False)
+
+    def check(self, tag, message, peer) -> None:
+        if message in self._ids:
+            raise TransferError(f"recv {tag!r}: the receive that peer {peer}'s message began in was withdrawn "
+                                f"(its wait timed out); the rest of that message is refused, and the receive "
+                                f"posted since waits for a message of its own")
+
+
 class Inbox:
     """One posted receive: buffers for the pieces this process expects, and progress."""
 
     def __init__(self, endpoint, tag, expect, handle):
         self.tag, self.expect, self.handle, self.endpoint = tag, expect, handle, endpoint
+        self.messages: set = set()  # the ids of the messages whose chunks came in (host.send's)
         self.lock = threading.Lock()
         self.activity = core.Activity()
         self.future = handle.future

@@ -15,6 +15,7 @@ __all__ = ["BACKENDS", "CHECKSUMS", "LinkConfig", "TransferError", "TransferTime
 
 BACKENDS = ("local", "host", "direct")  # transfer backends (hetjax/transfer)
 CHECKSUMS = ("xxh3", "crc32", "adler32")
+MAX_TIMEOUT_S = 1e7  # about 4 months
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,16 +48,20 @@ class LinkConfig:
             raise ConfigError(f"{prefix}.checksum={self.checksum!r}: choose one of {CHECKSUMS}")
         if not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
             raise ConfigError(f"{prefix}.streams={self.streams!r}: use 1 to 64 parallel TCP streams")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"{prefix}.timeout_s={self.timeout_s!r}: must be positive (seconds)")
+        for field in ("timeout_s", "busy_timeout_s"):
+            value = getattr(self, field)
+            # a socket's timeout must fit its time_t: inf or 1e10 failed every send (OverflowError)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
+                raise ConfigError(f"{prefix}.{field}={value!r}: give seconds, more than 0 and at most "
+                                  f"{MAX_TIMEOUT_S:g} (for a peer that may be busy for long, e.g. 86400)")
         if self.backend == "host" and not self.busy_timeout_s >= self.timeout_s:
             raise ConfigError(f"{prefix}.busy_timeout_s={self.busy_timeout_s!r} is below {prefix}.timeout_s="
                               f"{self.timeout_s!r}: the wait for a busy peer that still answers must be at least "
                               f"the wait for a silent one")
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 4096:
             raise ConfigError(f"{prefix}.chunk_bytes={self.chunk_bytes!r}: use at least 4096 (e.g. 8 << 20)")
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"{prefix}.port={self.port}: use 0 (any free port) or 1..65535")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ConfigError(f"{prefix}.port={self.port!r}: use 0 (any free port) or 1..65535")
         if not isinstance(self.nic_addresses, tuple) or not all(isinstance(a, str) and a for a in self.nic_addresses):
             raise ConfigError(f"{prefix}.nic_addresses={self.nic_addresses!r}: a tuple of IP addresses, e.g. ('10.0.0.1', '10.0.1.1')")
         if not self.bind_address:

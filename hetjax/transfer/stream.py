@@ -85,6 +85,7 @@ class Job(typing.NamedTuple):
     """A Part of one message, and whom to tell when it is in."""
 
     tag: str
+    message: int  # the send's id, in every frame of it (wire.chunk_frame)
     leaves: list
     plans: list
     part: Part
@@ -205,7 +206,7 @@ class Stream:
             payloads = [_payload(h) for h in hosts]
             sums = [wire.chunk_sum(self.endpoint.checksum, len(job.leaves), i, j, offset, payload)
                     for (i, j, _, _, offset), payload in zip(chunks, payloads)]
-            wire.sendall(self.sock, b"".join([wire.batch_frame(job.tag, fields, sums), *payloads]), self.address)
+            wire.sendall(self.sock, b"".join([wire.batch_frame(job.tag, job.message, fields, sums), *payloads]), self.address)
             with _counted:
                 job.handle.wire_bytes += sum(map(len, payloads))
             return
@@ -217,7 +218,7 @@ class Stream:
             payload = _payload(data)
             i, j, _, _, offset = chunks[k]
             total = wire.Sum(ep.checksum, len(job.leaves), i, j, offset, payload.nbytes)
-            frame = wire.chunk_frame(tag, fields[k])
+            frame = wire.chunk_frame(tag, job.message, fields[k])
             if payload.nbytes <= wire.SMALL and sum(map(len, pending)) <= wire.SMALL:
                 total.update(payload)
                 pending += [frame, payload.tobytes(), total.trailer()]

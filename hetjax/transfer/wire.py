@@ -161,16 +161,17 @@ def dtype_name(dtype) -> str:
     return np.dtype(dtype).name  # numpy works the name out anew at each call: 4 us a chunk
 
 
-def chunk_frame(tag: str, fields: str) -> bytes:
-    """A CHUNK frame: the chunk's header (see chunk_fields) with its tag. Its payload
-    follows, then the payload's checksum (TRAILER)."""
-    return _frame(CHUNK, f'{{"tag": {json.dumps(tag)}, {fields}}}')
+def chunk_frame(tag: str, message: int, fields: str) -> bytes:
+    """A CHUNK frame: the chunk's header (see chunk_fields) with its tag and its message's
+    id (host.send's, one per send: the receiver tells a message's late chunks from the
+    next one's by it). Its payload follows, then the payload's checksum (TRAILER)."""
+    return _frame(CHUNK, f'{{"tag": {json.dumps(tag)}, "msg": {message}, {fields}}}')
 
 
-def batch_frame(tag: str, fields: list[str], checksums: list[int]) -> bytes:
+def batch_frame(tag: str, message: int, fields: list[str], checksums: list[int]) -> bytes:
     """A BATCH frame: the headers of a whole small message's chunks (their payloads follow)."""
     chunks = ", ".join(f'{{{f}, "sum": {c}}}' for f, c in zip(fields, checksums))
-    return _frame(BATCH, f'{{"tag": {json.dumps(tag)}, "chunks": [{chunks}]}}')
+    return _frame(BATCH, f'{{"tag": {json.dumps(tag)}, "msg": {message}, "chunks": [{chunks}]}}')
 
 
 def send_frame(sock, kind: int, meta: dict, peer: str) -> None:
@@ -199,7 +200,13 @@ def read_frame(sock, peer: str, idle_ok: bool, timeout_s: float) -> tuple[int, d
                             f"hetjax version: both sides must run the same)")
     if n > MAX_HEADER:
         raise TransferError(f"peer {peer} sent a frame header of {n} bytes; at most {MAX_HEADER} are read")
-    return kind, json.loads(recv_exact(sock, n, peer))
+    try:
+        meta = json.loads(recv_exact(sock, n, peer))
+    except ValueError as e:
+        raise TransferError(f"peer {peer} sent a frame header that is not JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise TransferError(f"peer {peer} sent a frame header that is not a JSON object: {type(meta).__name__}")
+    return kind, meta
 
 
 NOT_PROVED = "it did not prove the job's shared secret"
