@@ -285,6 +285,16 @@ def test_an_island_s_own_pipeline_is_checked_against_its_share_of_the_batch():
         IslandConfig(name="b", devices_per_process=1, mesh=MeshConfig(fsdp=1))))
     validate(cfg)
     assert placement.batch_shares(cfg) == ((0, 4), (4, 2))
+    # Shares follow the rules' `batch` axes: over tensor too, island b's rows must be even
+    # (it was given 11 of 16, refused once built, naming a config.mesh.tensor islands forbid).
+    rules = tuple((k, ("data", "fsdp", "tensor") if k == "batch" else None if k in ("mlp", "heads", "kv_heads", "vocab")
+                   else v) for k, v in cfg.sharding.rules)
+    cfg = dataclasses.replace(tiny_islands({"batch_size": "16"}, placement="data", islands=(
+        IslandConfig(name="a", devices_per_process=1, mesh=MeshConfig(fsdp=1), speed=1.0),
+        IslandConfig(name="b", devices_per_process=2, mesh=MeshConfig(fsdp=1, tensor=2), speed=2.0))),
+        sharding=dataclasses.replace(cfg.sharding, rules=rules))
+    validate(cfg)
+    assert placement.batch_shares(cfg) == ((0, 6), (6, 10))
 
 
 def test_a_micro_batch_must_split_over_the_mesh_axes_the_batch_rule_names():

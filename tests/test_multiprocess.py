@@ -172,6 +172,13 @@ def test_the_scheduler_reads_a_one_mesh_world_from_each_source(cfg_path):
         with pytest.raises(ConfigError, match="HETJAX_NUM_PROCESSES='2' without HETJAX_ISLAND: .* HETJAX_ISLAND=mesh"):
             scheduler.mesh_world(env, cfg)
     assert scheduler.mesh_world({"HETJAX_NUM_PROCESSES": "1"}, cfg) is None
+    # A one-mesh config in a heterogeneous job's step (hetjob.sbatch given a config without
+    # islands): each task trained alone as process 0.
+    het = dict(slurm, SLURM_HET_SIZE="2", SLURM_JOB_NODELIST_HET_GROUP_1="mi300x-01")
+    with pytest.raises(ConfigError, match=r"config.hetero.islands is empty, but this is a step of 4 tasks of a SLURM "
+                                          r"heterogeneous job .*launch/slurm/mesh.sbatch"):
+        scheduler.mesh_world(het, cfg)
+    assert scheduler.mesh_world(dict(het, SLURM_STEP_NUM_TASKS="1"), cfg) is None
     with pytest.raises(ConfigError, match="--processes=3"):
         local.run(cfg_path, processes=3)  # 4 devices do not split over 3 processes
 

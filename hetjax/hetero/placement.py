@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hetjax import sharding
 from hetjax.errors import ConfigError
 from hetjax.hetero.config import island_mesh_sizes
 
@@ -85,10 +86,10 @@ def batch_shares(cfg) -> tuple[tuple[int, int], ...]:
     units = []
     for island in cfg.hetero.islands:
         sizes = island_mesh_sizes(island)
-        # Rows split over data x fsdp, and then into micro-batches (the island's pipeline
-        # or gradient accumulation).
+        # Rows split over the mesh axes config.sharding.rules map `batch` to (data x fsdp by
+        # default), and then into micro-batches (the island's pipeline or gradient accumulation).
         micro = cfg.pipeline.microbatches if sizes["pipeline"] > 1 else cfg.optim.grad_accum_steps
-        units.append(sizes["data"] * sizes["fsdp"] * micro)
+        units.append(sharding.shards(dict(cfg.sharding.rules).get("batch"), sizes) * micro)
     rows = proportional(cfg.batch_size, [i.speed for i in cfg.hetero.islands], units,
                         what=f"config.batch_size={cfg.batch_size}")
     starts = np.concatenate([[0], np.cumsum(rows)[:-1]])

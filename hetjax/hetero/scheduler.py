@@ -110,6 +110,13 @@ def mesh_world(environ, cfg: Config) -> runtime.ProcessSettings | None:
             return None  # srun -n 1, or a batch script's own step: one process
         return settings(_from_slurm_step(environ, cfg, count), one_island(cfg, count, 1))
     else:
+        tasks = environ.get("SLURM_STEP_NUM_TASKS", "")
+        if "SLURM_HET_SIZE" in environ and tasks.isdigit() and int(tasks) > 1:
+            # A one-mesh config in a heterogeneous job's step: each task would train alone.
+            raise ConfigError(f"config.hetero.islands is empty, but this is a step of {tasks} tasks of a SLURM "
+                              f"heterogeneous job (SLURM_HET_SIZE={environ['SLURM_HET_SIZE']}): each would train "
+                              f"alone as process 0, all writing the same run_dir; give a config with islands "
+                              f"(launch/slurm/hetjob.sbatch), or run a one-mesh config with launch/slurm/mesh.sbatch")
         if environ.get(NUM_PROCESSES, "1") not in ("", "1"):
             # Each process would train alone as process 0, every one writing the same run_dir.
             raise ConfigError(f"{NUM_PROCESSES}={environ[NUM_PROCESSES]!r} without {ISLAND}: a one-mesh job of "
