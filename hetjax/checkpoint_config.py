@@ -26,6 +26,11 @@ def validate_checkpoint(c: CheckpointConfig) -> None:
     for key in ("every", "keep_every"):
         if getattr(c, key) < 0:
             raise ConfigError(f"config.checkpoint.{key}={getattr(c, key)}: use 0 (off) or a positive step count")
+    if c.keep_every and c.every and c.keep_every % c.every:
+        # only the steps both save and keep would be kept (every=10, keep_every=15: 30, 60, ...)
+        raise ConfigError(f"config.checkpoint.keep_every={c.keep_every} is not a multiple of config.checkpoint.every="
+                          f"{c.every}: steps that are not saved cannot be kept; use a multiple of {c.every} "
+                          f"(e.g. {c.every * max(1, round(c.keep_every / c.every))})")
     if c.keep < 1:
         raise ConfigError(f"config.checkpoint.keep={c.keep}: keep at least 1 checkpoint, or resume is impossible")
 

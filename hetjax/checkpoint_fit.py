@@ -5,6 +5,9 @@ config.steps, and the kind of job a checkpoint directory belongs to."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import jax
 import numpy as np
 
@@ -188,7 +191,44 @@ def check_not_past(cfg, step: int, directory) -> None:
     `step`'s state as config.steps."""
     if step > cfg.steps:
         raise ConfigError(f"config.steps={cfg.steps}: {directory} already holds step {step}; raise "
-                          f"config.steps to train on, or give a new config.run_dir")
+                          f"config.steps to train on (with --config.optim.decay_steps={cfg.optim.decay_steps or cfg.steps} "
+                          f"to keep the learning-rate schedule), or give a new config.run_dir")
+
+
+def _held_steps(directory: Path) -> list[int]:
+    """The checkpoint steps a directory holds, its islands' folders' included."""
+    if not directory.is_dir():
+        return []
+    folders = [directory / name for name in island_folders(directory)]
+    return sorted({int(p.name) for d in [directory, *folders] for p in d.iterdir() if p.is_dir() and p.name.isdigit()})
+
+
+def check_resume(cfg, log=print) -> list[int]:
+    """The checkpoint steps this start resumes from (its checkpoint directory's), checked
+    before anything is built against the run's config.json as its last start wrote it:
+    a start that looks for its checkpoints elsewhere than that run's config.checkpoint.dir,
+    where steps are and here none, is refused (it would start from step 0 and rewrite the
+    run's metrics); a resume whose learning-rate schedule changes with config.steps is told so."""
+    written, ours = Path(cfg.run_dir) / "config.json", default_dir(cfg)
+    held = _held_steps(ours)
+    try:
+        saved = json.loads(written.read_text())
+        saved_dir, optim = saved["checkpoint"].get("dir", ""), saved["optim"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a first start, or no run's config
+        return held
+    theirs = Path(saved_dir or Path(cfg.run_dir) / "checkpoints")
+    if not held and theirs.absolute() != ours.absolute() and (old := _held_steps(theirs)):
+        raise ConfigError(
+            f"{written} says this run's checkpoints are in {theirs} (steps up to {old[-1]}), but this start "
+            f"looks in {ours} (config.checkpoint.dir={cfg.checkpoint.dir!r}), which holds none: it would start "
+            f"from step 0 and rewrite the run's metrics; give --config.checkpoint.dir={theirs} to resume, or a "
+            f"new config.run_dir")
+    was, now = optim.get("decay_steps") or saved.get("steps"), cfg.optim.decay_steps or cfg.steps
+    if held and not cfg.optim.decay_steps and isinstance(was, int) and was != now:
+        log(f"warning: resuming at step {held[-1]} with config.steps={cfg.steps}: the learning rate's cosine "
+            f"now ends at step {now} where this run's ended at {was}, so the rate jumps at the resume; "
+            f"--config.optim.decay_steps={was} keeps the run's schedule")
+    return held
 
 
 def check_layout_kind(cfg) -> None:

@@ -24,11 +24,14 @@ def find_checkpoint_dir(path: str | Path) -> tuple[Path, int | None]:
         raise ConfigError(f"config.init_from={str(path)!r}: no such file or directory")
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
-        if islands := island_folders(path):
-            if not any(p.name.isdigit() for p in path.iterdir()):
+        if not any(p.name.isdigit() for p in path.iterdir()):
+            if islands := island_folders(path):
                 raise ConfigError(
                     f"{path} holds an islands job's checkpoints, one folder per island ({', '.join(islands)}): "
                     f"put them together first, with {export_command(path)}, and give DIR")
+            # (it was refused only after the compile, as "no readable checkpoint")
+            raise ConfigError(f"config.init_from={str(path.parent)!r}: {path} holds no checkpoint step (the run "
+                              f"saved none, or its steps were set aside as corrupt); give a run that saved one")
         return path, None
     if (path / "params").is_dir() and path.name.isdigit():
         return path.parent, int(path.name)

@@ -46,9 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         line, settings = job_lib.start(cfg)
     print(line, flush=True)
     dataset = data.build(cfg)  # bad data is reported before anything is compiled
-    if cfg.init_from:
-        checkpoint_init.find_checkpoint_dir(cfg.init_from)  # a wrong path fails before compiling
     checkpoint_fit.check_layout_kind(cfg)  # another kind of job's checkpoints: refused before compiling
+    # checkpoints left elsewhere are refused, a learning-rate schedule that changes is told
+    resumes = checkpoint_fit.check_resume(cfg)
+    if cfg.init_from and not resumes:  # a resume reads its own checkpoints, not init_from's
+        checkpoint_init.find_checkpoint_dir(cfg.init_from)  # a wrong path fails before compiling
 
     def log(text):
         print(text, flush=True)

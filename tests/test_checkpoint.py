@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from hetjax import checkpoint, checkpoint_init, data, orbax_noise, step, train
+from hetjax import config as config_lib
 from hetjax.compile import aot
 from hetjax.repro import digest
 from hetjax import state as state_lib
@@ -469,6 +470,13 @@ def test_init_from_starts_a_new_run_from_saved_weights(tmp_path, saved, monkeypa
     assert counts and set(counts) == {1}  # a fresh optimizer: one update
     with pytest.raises(ConfigError, match="config.init_from"):
         train.main([*args, f"--config.run_dir={tmp_path / 'c'}", f"--config.init_from={tmp_path / 'nope'}"])
+    # A run that has its own checkpoints resumes them, its init_from gone (a requeued
+    # fine-tune whose source was purged was refused: "no such file or directory").
+    shutil.copytree(saved[0], tmp_path / "src" / "checkpoints")
+    start_from = [*args, f"--config.run_dir={tmp_path / 'g'}", f"--config.init_from={tmp_path / 'src'}"]
+    assert train.main(start_from) == 0
+    shutil.rmtree(tmp_path / "src")
+    assert train.main([*start_from, "--config.steps=2"]) == 0 and len(rows(tmp_path / "g")) == 2
     # A checkpoint of another shape, to start from or to resume, is refused from its metadata
     # before the step compiles (it used to be read, and refused, after a full compile).
     def no_compile(*a, **k):
@@ -477,6 +485,9 @@ def test_init_from_starts_a_new_run_from_saved_weights(tmp_path, saved, monkeypa
     wider = [a for a in args if "mlp_dim" not in a] + ["--config.model.mlp_dim=128"]
     with pytest.raises(ConfigError, match=r"'blocks/mlp/down_FD' has shape \(2, 64, 32\) there but \(2, 128, 32\)"):
         train.main([*wider, f"--config.run_dir={tmp_path / 'e'}", f"--config.init_from={saved[0]}"])
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)  # a run that saved nothing: refused after compiling
+    with pytest.raises(ConfigError, match=r"config.init_from=.*empty': .*checkpoints holds no checkpoint step"):
+        train.main([*args, f"--config.run_dir={tmp_path / 'h'}", f"--config.init_from={tmp_path / 'empty'}"])
     shutil.copytree(saved[0], tmp_path / "f" / "checkpoints")
     with pytest.raises(ConfigError, match=r"checkpoint step 4 .* 'blocks/mlp/down_FD' has shape"):
         train.main([*wider, f"--config.run_dir={tmp_path / 'f'}", "--config.steps=6"])
@@ -547,6 +558,35 @@ def test_a_run_dir_of_another_kind_of_job_is_refused_before_anything_is_written(
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0, "loss": 5.5}\n'
     assert sorted(str(p.relative_to(run_dir / "checkpoints")) for p in (run_dir / "checkpoints").rglob("*")) == \
         sorted({*folders, *(f.split("/")[0] for f in folders)})
+
+
+def test_a_start_is_checked_against_the_config_its_run_last_wrote(tmp_path):
+    """Its custom checkpoint.dir left out, a run started from step 0 and rewrote its
+    metrics; resumed with more config.steps, its learning rate jumped without a word."""
+    from hetjax import checkpoint_fit
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "ckpts"
+    (elsewhere / "20").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").parent.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "loss": 5.5}\n')
+    config_lib.save(dataclasses.replace(CFG, run_dir=str(run_dir), steps=20, checkpoint=dataclasses.replace(
+        CFG.checkpoint, dir=str(elsewhere))), run_dir / "config.json")
+    with pytest.raises(ConfigError, match=rf"config.json says this run's checkpoints are in {elsewhere} \(steps up "
+                                          rf"to 20\), but this start looks in {run_dir / 'checkpoints'} .*"
+                                          rf"--config.checkpoint.dir={elsewhere} to resume"):
+        train.main(["--config", "tiny.py", f"--config.run_dir={run_dir}", "--config.steps=30"])
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0, "loss": 5.5}\n'
+    said = []
+    cfg = dataclasses.replace(CFG, run_dir=str(run_dir), steps=30, checkpoint=dataclasses.replace(
+        CFG.checkpoint, dir=str(elsewhere)))
+    assert checkpoint_fit.check_resume(cfg, said.append) == [20]
+    assert said == ["warning: resuming at step 20 with config.steps=30: the learning rate's cosine now ends at step 30 "
+                    "where this run's ended at 20, so the rate jumps at the resume; --config.optim.decay_steps=20 "
+                    "keeps the run's schedule"]
+    kept = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=20))
+    assert checkpoint_fit.check_resume(kept, said.append) == [20] and len(said) == 1
+    with pytest.raises(ConfigError, match=r"keep_every=15 is not a multiple of config.checkpoint.every=10: .*\(e.g. 20\)"):
+        config_lib.validate(dataclasses.replace(CFG, checkpoint=dataclasses.replace(CFG.checkpoint, every=10,
+                                                                                     keep_every=15)))
 
 
 def test_a_checkpoint_of_another_param_dtype_is_verified_as_saved_then_cast(tmp_path):
