@@ -176,7 +176,7 @@ class ParamLayout:
     spec: PartitionSpec
     bytes: int
     bytes_per_device: int
-    split: bool  # divided by some non-`data` mesh axis of size > 1
+    split: bool  # divided by some mesh axis of size > 1 (`data` too: ZeRO-3 over data splits it)
 
 
 def param_layouts(state, mesh: Mesh, rules) -> list[ParamLayout]:
@@ -197,7 +197,7 @@ def param_layouts(state, mesh: Mesh, rules) -> list[ParamLayout]:
                     f"{dim} cannot be split {parts} ways over mesh axes {axes}; change config.mesh "
                     f"or the rule for {axis_name!r} in config.sharding.rules")
             divisor *= parts
-            split |= any(a != "data" and mesh.shape[a] > 1 for a in axes)
+            split |= any(mesh.shape[a] > 1 for a in axes)
         layouts.append(ParamLayout(name, tuple(value.shape), logical, spec, nbytes,
                                    nbytes // divisor, split))
     return layouts

@@ -209,13 +209,18 @@ def test_a_platform_jax_would_not_start_on_is_refused(monkeypatch):
         backend.check_startable(rocm, "rocm", {"JAX_PLATFORMS": "cpu"})
     with pytest.raises(ConfigError, match=r"'cpu', but JAX_PLATFORMS=gpu"):
         backend.check_startable(cpu, "cpu", {"JAX_PLATFORMS": "gpu"})
+    # JAX_PLATFORMS=gpu starts the GPU plugin that is installed (here CUDA's): it passed
+    # platform=rocm, to run under the ROCm profile and its cache on a CUDA GPU.
+    with pytest.raises(ConfigError, match=r"'rocm', but no jax plugin for rocm is installed"):
+        backend.check_startable(rocm, "rocm", {"JAX_PLATFORMS": "gpu,cpu"})
     # What sets them apart on purpose agrees, or cannot be told: CPU stand-ins (cpu with
     # JAX_PLATFORMS=cpu), virtual islands (cpu; JAX_PLATFORMS comes after `start`), island
     # processes (their platform in JAX_PLATFORMS: jax itself refuses one it lacks), auto.
     for compile_cfg, platform, environ in ((cpu, "cpu", {"JAX_PLATFORMS": "cpu"}), (cpu, "cpu", {}),
-                                           (rocm, "rocm", {"JAX_PLATFORMS": "rocm"}),
-                                           (rocm, "rocm", {"JAX_PLATFORMS": "gpu,cpu"}), (CompileConfig(), "rocm", {})):
+                                           (rocm, "rocm", {"JAX_PLATFORMS": "rocm"}), (CompileConfig(), "rocm", {})):
         backend.check_startable(compile_cfg, platform, environ)
+    monkeypatch.setattr(backend, "_DEVICE_NODES", {"cuda": ("/",), "rocm": ("/dev/kfd",)})  # a CUDA GPU here
+    backend.check_startable(cuda, "cuda", {"JAX_PLATFORMS": "gpu"})
     # `start` checks it once the profile is resolved (after a cuDNN refusal, which names more).
     monkeypatch.setattr(backend, "setup", lambda c: backend.Applied(profiles.get(c.platform), "", ()))
     with pytest.raises(ConfigError, match=r"config.compile.platform='rocm', but"):

@@ -520,6 +520,12 @@ def test_refuses_a_microbatch_that_data_parallelism_cannot_split():
     rules = dict(CFG.sharding.rules) | {"embed": "pipeline"}
     with pytest.raises(ConfigError, match="maps 'embed' to the 'pipeline' mesh axis"):
         pipeline.sharding_rules(tuple(rules.items()))
+    rules = dict(CFG.sharding.rules) | {"layers": "fsdp"}  # was replaced by pipeline without a word
+    with pytest.raises(ConfigError, match=r"maps 'layers' to 'fsdp', but .* the pipeline stages take the layers; "
+                                          r"use \('layers', None\)"):
+        pipeline.sharding_rules(tuple(rules.items()))
+    assert dict(pipeline.sharding_rules(tuple((dict(CFG.sharding.rules) | {"layers": "pipeline"}).items())))[
+        "layers"] == "pipeline"
 
 
 def test_an_interleaved_pipeline_checkpoints_in_the_model_layer_order(tmp_path):

@@ -128,6 +128,13 @@ def test_refuses_a_layout_that_replicates_the_parameters():
     # Pure data parallelism replicates on purpose and is allowed.
     dp = make_mesh(MeshConfig(data=8, fsdp=1))
     assert sharding.check_replication(sharding.param_layouts(abstract.params, dp, rules), dp, 0.1) == 0.0
+    # ZeRO-3 over data (embed -> data) on data=4 x fsdp=2 splits every weight 4 ways: it
+    # was refused as "100% of parameter bytes would be replicated on every device".
+    zero3 = tuple((name, "data" if name == "embed" else target) for name, target in CFG.sharding.rules)
+    mixed = make_mesh(MeshConfig(data=4, fsdp=2))
+    layouts = sharding.param_layouts(abstract.params, mixed, zero3)
+    assert sum(l.bytes_per_device for l in layouts) < sum(l.bytes for l in layouts) / 2
+    assert sharding.check_replication(layouts, mixed, 0.1) < 0.1
 
 
 def test_bytes_per_device_divide_by_the_shards():

@@ -232,8 +232,8 @@ def check_startable(compile_cfg: CompileConfig, platform: str, environ=None) -> 
     named = {"gpu": ("cuda", "rocm")}.get(first, (first,))
     if first and platform not in named:
         why, where = f"JAX_PLATFORMS={environ['JAX_PLATFORMS']}", first
-    else:
-        why, where = (None if first else unavailable(platform)), "another platform"
+    else:  # JAX_PLATFORMS=gpu starts whichever GPU plugin is here: a ROCm node took platform=cuda
+        why, where = (None if first and first != "gpu" else unavailable(platform)), "another platform"
     if why:
         raise ConfigError(f"config.compile.platform={platform!r}, but {why}, so jax would start on {where} "
                           f"under the {platform} profile's settings; run where {platform} starts, or set "

@@ -107,6 +107,10 @@ def sharding_rules(rules) -> tuple:
             raise ConfigError(
                 f"config.sharding.rules maps {name!r} to the {AXIS!r} mesh axis; only the stacked "
                 f"'layers' axis is split over pipeline stages")
+        if name == "layers" and targets not in ((), (AXIS,)):  # it was replaced without a word
+            raise ConfigError(
+                f"config.sharding.rules maps 'layers' to {target!r}, but with config.mesh.pipeline > 1 the "
+                f"pipeline stages take the layers; use ('layers', None)")
     return tuple((name, AXIS if name == "layers" else target) for name, target in rules)
 
 
