@@ -29,6 +29,8 @@ from hetjax.errors import ConfigError, ConvertError  # noqa: F401 - raised here,
 from hetjax.models.llama import ModelConfig, validate_model
 
 
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors' names
+
 # ---------------------------------------------------------------------------
 # config.json <-> ModelConfig
 
@@ -54,8 +56,16 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         refuse("layer_types", hf["layer_types"], "hetjax has full attention in every layer")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         refuse("partial_rotary_factor", hf["partial_rotary_factor"], "hetjax rotates the whole head")
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
+    # transformers 5 reads rope_scaling over rope_parameters, 4 rope_scaling only; hetjax's
+    # export writes both: one edited and the other stale must not pick the model's RoPE.
+    given = {k: _rope_fields(hf.get(k)) for k in ("rope_parameters", "rope_scaling")}
+    if all(given.values()) and given["rope_parameters"] != given["rope_scaling"]:
+        raise ConvertError(f"config.json: rope_scaling={hf['rope_scaling']!r} and rope_parameters="
+                           f"{hf['rope_parameters']!r} disagree; transformers reads rope_scaling; make them "
+                           f"agree, or delete the stale one")
+    rope = dict(given["rope_scaling"] or given["rope_parameters"])
+    rope["rope_theta"] = next((d["rope_theta"] for d in (hf.get("rope_parameters"), hf.get("rope_scaling"))
+                               if isinstance(d, dict) and "rope_theta" in d), hf.get("rope_theta", 10_000.0))
     if missing := [k for k in ("vocab_size", "num_hidden_layers", "hidden_size", "intermediate_size",
                                "num_attention_heads") if k not in hf]:
         raise ConvertError(f"config.json has no {', '.join(missing)}; give a Llama or Qwen2 model's config")
@@ -79,6 +89,13 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         qkv_bias=kind == "qwen2", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(rope["rope_theta"]), **scaling)
+
+
+def _rope_fields(rope) -> dict:
+    """A config.json's RoPE settings but their theta, `type` read as `rope_type`; {} for none
+    or the default kind."""
+    fields = {("rope_type" if k == "type" else k): v for k, v in (rope or {}).items() if k != "rope_theta"}
+    return {} if fields in ({}, {"rope_type": "default"}) else fields
 
 
 def hf_config_from_model(m: ModelConfig, dtype: str, base: dict | None = None) -> dict:
@@ -186,6 +203,12 @@ def import_hf(hf_dir: Path, out_dir: Path, param_dtype: str = "float32", log=pri
         raise ConvertError(f"{hf_dir}: tensors {missing[:4]} are missing (config.json says "
                            f"tie_word_embeddings={m.tie_embeddings}, {m.num_layers} layers)")
     extra = sorted(n for n in set(files) - wanted if not n.endswith("rotary_emb.inv_freq"))
+    if m.tie_embeddings and "lm_head.weight" in extra:  # some tied checkpoints store the head too
+        head, embed = (files[n].get(n) for n in ("lm_head.weight", "model.embed_tokens.weight"))
+        if head.shape != embed.shape or not np.array_equal(head, embed):
+            raise ConvertError(f"{hf_dir}: config.json says tie_word_embeddings=True, but lm_head.weight is not the "
+                               f"embedding; set tie_word_embeddings to false if the head is its own")
+        extra.remove("lm_head.weight")
     if extra:
         raise ConvertError(f"{hf_dir}: tensors {extra[:4]} have no place in a hetjax {hf_config['model_type']} model")
     if (out_dir / "0").exists():
@@ -197,7 +220,11 @@ def import_hf(hf_dir: Path, out_dir: Path, param_dtype: str = "float32", log=pri
         layers = _layers(e, m)
         x = np.empty(((len(layers),) if layers != [None] else ()) + e.shape, np.dtype(param_dtype))
         for i in layers:
-            t = files[e.hf.format(i=i)].get(e.hf.format(i=i))
+            name = e.hf.format(i=i)
+            if (kind := files[name].header[name].get("dtype")) not in FLOAT_DTYPES:  # int8 became float ones
+                raise ConvertError(f"{name} has dtype {kind}: hetjax imports floating-point weights ({', '.join(FLOAT_DTYPES)}); "
+                                   f"a quantized checkpoint (config.json's quantization_config) is not supported")
+            t = files[name].get(name)
             if t.shape != e.hf_shape:
                 raise ConvertError(f"{e.hf.format(i=i)} has shape {t.shape}, config.json implies {e.hf_shape}")
             x[() if i is None else i] = e.to_hetjax(t).astype(x.dtype)
@@ -348,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     exp.add_argument("--max_shard_gb", type=float, default=5.0)
     args = p.parse_args(argv)
+    if args.command == "export" and not 0 < args.max_shard_gb < float("inf"):  # nan crashed, 0 made a shard a tensor
+        print(f"error: --max_shard_gb={args.max_shard_gb}: give the largest shard in GB, more than 0 (e.g. 5)",
+              file=sys.stderr)
+        return 2
     try:
         if args.command == "import":
             m = import_hf(args.hf_dir, args.out_dir, args.param_dtype)

@@ -21,6 +21,7 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
+MAX_HEADER = 100_000_000  # the format's own limit
 
 
 class File:
@@ -29,12 +30,27 @@ class File:
     def __init__(self, path: Path):
         self.path = Path(path)
         with open(self.path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            self.header = json.loads(f.read(n))
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if head.startswith(b"version "):  # a clone without git-lfs holds its pointers, not the weights
+                raise ConvertError(f"{self.path} is a Git LFS pointer, not the weights: run `git lfs pull` in "
+                                   f"its repository (or download it again)")
+            if not 2 <= n <= min(MAX_HEADER, self.path.stat().st_size - 8):
+                raise ConvertError(f"{self.path} is not a safetensors file (no header of a sane length); "
+                                   f"download it again")
+            try:
+                self.header = json.loads(f.read(n))
+                assert isinstance(self.header, dict)
+            except (ValueError, AssertionError):
+                raise ConvertError(f"{self.path}: its safetensors header is not a JSON object; download it "
+                                   f"again") from None
         self.header.pop("__metadata__", None)
         self.data_start = 8 + n
 
     def get(self, name: str) -> np.ndarray:
+        if name not in self.header:  # the index's weight_map names another file
+            raise ConvertError(f"{self.path} holds no tensor {name}, which {INDEX} places there; "
+                               f"download the checkpoint again")
         info = self.header[name]
         if info["dtype"] not in DTYPES:
             raise ConvertError(f"{self.path}: tensor {name} has dtype {info['dtype']}, which hetjax cannot read")

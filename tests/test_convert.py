@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import shutil
 
 import jax
@@ -238,6 +239,24 @@ def test_unsupported_hf_fields_are_refused_by_name(field, value, message):
         convert.model_config_from_hf(hf)
 
 
+def test_rope_scaling_and_rope_parameters_that_disagree_are_refused():
+    """hetjax's export writes both; with rope_scaling edited, transformers read it and hetjax
+    read the stale rope_parameters: logits 0.09 apart, without a word."""
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hf = transformers.LlamaConfig(**SHAPE, rope_parameters=llama3).to_dict()
+    old_style = {"type": "llama3", **{k: v for k, v in llama3.items() if k not in ("rope_type", "rope_theta")}}
+    for scaling in (None, old_style, dict(llama3)):  # absent, the older spelling, the same
+        m = convert.model_config_from_hf(dict(hf, rope_parameters=llama3, rope_scaling=scaling, rope_theta=5e5))
+        assert (m.rope_scaling_factor, m.rope_theta) == (8.0, 5e5)
+    m = convert.model_config_from_hf(dict(hf, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                                          rope_scaling=old_style))
+    assert m.rope_scaling_factor == 8.0  # rope_scaling's, as transformers reads it
+    with pytest.raises(convert.ConvertError, match=r"rope_scaling=.*'factor': 32.0.* and rope_parameters=.* disagree; "
+                                                   r"transformers reads rope_scaling"):
+        convert.model_config_from_hf(dict(hf, rope_parameters=llama3, rope_scaling=dict(old_style, factor=32.0)))
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0},
      "llama3 RoPE needs factor, low_freq_factor, high_freq_factor, original_max_position_embeddings; low_freq_factor"),
@@ -256,6 +275,25 @@ def test_bad_hf_configs_and_files_are_refused_with_their_field_not_a_traceback(t
     assert convert.main(["import", str(tmp_path / "bad"), str(tmp_path / "o1")]) == 2
     assert message in capsys.readouterr().err
     shard = sorted((tmp_path / "hf").glob("*.safetensors"))[-1]
-    shard.write_bytes(shard.read_bytes()[:-100])
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:-100])
     assert convert.main(["import", str(tmp_path / "hf"), str(tmp_path / "o2")]) == 2
     assert "is truncated inside tensor" in capsys.readouterr().err
+    shard.write_bytes(whole)
+    # Each of these was a traceback (MemoryError, struct.error, KeyError), or a silent import.
+    index = json.loads((tmp_path / "hf" / safetensors_io.INDEX).read_text())["weight_map"]
+    name = next(n for n in index if n.endswith("up_proj.weight"))
+    shard = tmp_path / "hf" / index[name]
+    whole = shard.read_bytes()
+    header = json.loads(whole[8:8 + int.from_bytes(whole[:8], "little")])
+    int8 = dict(header, **{name: dict(header[name], dtype="I8", data_offsets=[
+        header[name]["data_offsets"][0], header[name]["data_offsets"][0] + math.prod(header[name]["shape"])])})
+    text = json.dumps(int8).encode()
+    for damaged, said in ((b"version https://git-lfs.github.com/spec/v1\noid sha256:0\n", "is a Git LFS pointer"),
+                          (b"\x05", "is not a safetensors file"), (len(text).to_bytes(8, "little") + text + whole[8 + int.from_bytes(whole[:8], "little"):],
+                                                                     f"{name} has dtype I8: hetjax imports floating-point")):
+        shard.write_bytes(damaged)
+        assert convert.main(["import", str(tmp_path / "hf"), str(tmp_path / "o3")]) == 2
+        assert said in capsys.readouterr().err
+    assert convert.main(["export", str(tmp_path / "x"), str(tmp_path / "o4"), "--max_shard_gb", "nan"]) == 2
+    assert "--max_shard_gb=nan: give the largest shard in GB" in capsys.readouterr().err
