@@ -222,6 +222,22 @@ def test_runs_that_both_finished_different_config_steps_are_void_for_that_reason
     assert "run B ends at step 2 (its config trains 5)" in compare.compare(tmp_path / "b", tmp_path / "c").void
 
 
+def test_a_run_lacking_steps_in_the_middle_is_void_and_a_garbled_line_is_named(tmp_path):
+    """Run B with steps 0 and 19 of 20 was BIT-IDENTICAL (2 steps compared), and a line
+    that was not JSON was skipped wherever it was."""
+    a, b = fake_run(tmp_path / "a", 20), fake_run(tmp_path / "b", 20)
+    rows = (b / "fingerprints.jsonl").read_text().splitlines()
+    kept = [r for r in rows if '"kind": "step"' not in r or any(f'"step": {s},' in r for s in (0, 19))]
+    (b / "fingerprints.jsonl").write_text("\n".join(kept) + "\n")
+    r = compare.compare(a, b)
+    assert r.code == compare.VOID and r.void.startswith("run B has no fingerprint for steps 1..18, which the other"), r.void
+    (b / "fingerprints.jsonl").write_text("\n".join(rows[:3] + ['{"kind": "st'] + rows[3:]) + "\n")
+    with pytest.raises(ConfigError, match=r"fingerprints.jsonl:4: not a JSON line; the file is damaged"):
+        compare.compare(a, b)
+    (b / "fingerprints.jsonl").write_text("\n".join(rows) + '\n{"kind": "st')  # a killed run's torn last line
+    assert compare.compare(a, b).identical
+
+
 def test_bookkeeping_fields_are_not_config_differences(tmp_path):
     a = fake_run(tmp_path / "a", 3, name="a", profile_steps="1:2", wandb={"project": "p", "name": "a"})
     r = compare.compare(a, fake_run(tmp_path / "b", 3))

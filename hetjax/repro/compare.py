@@ -30,6 +30,7 @@ class Report:
     a: str
     b: str
     steps: list[int]  # steps both runs recorded
+    lacking: tuple[list[int], list[int]]  # steps the other run recorded and A (B) lacks
     ends: tuple[int | None, int | None]  # the last step each run recorded
     planned: tuple[int | None, int | None]  # config.steps each run ended with
     first_data_diff: int | None
@@ -70,6 +71,10 @@ class Report:
             return (f"run {name} ends at step {self.ends[short]} (its config trains {self.planned[short]}), run {other} at step "
                     f"{self.ends[1 - short]}: {name} stopped early (killed, diverged) or is still running, and "
                     f"the steps it lacks cannot be judged; compare runs that reached the same step")
+        for name, lacks in zip("AB", self.lacking):
+            if lacks:  # a damaged or edited file: 2 steps of 20 compared read as BIT-IDENTICAL
+                return (f"run {name} has no fingerprint for steps {_spans(lacks)}, which the other run has: its "
+                        f"fingerprints file is damaged or was edited, and those steps cannot be judged")
         return None
 
     @property
@@ -190,7 +195,8 @@ def compare(run_a: str | Path, run_b: str | Path, rtol: float = LOSS_RTOL,
         f"{x['platform']} ({x['device_kind']}, jax {x['jax']}, {x['profile']}, {_layout_words(x)})"
         for x in h) or "?"
     return Report(
-        a=str(run_a), b=str(run_b), steps=steps, first_data_diff=first_data, init_step=init,
+        a=str(run_a), b=str(run_b), steps=steps, lacking=(sorted(set(sb) - set(sa)), sorted(set(sa) - set(sb))),
+        first_data_diff=first_data, init_step=init,
         init_equal=None if init is None else pa[init]["params"] == pb[init]["params"],
         first_loss_diff=first_loss, first_grad_norm_diff=first_gn,
         max_loss_gap=gaps.get(worst, 0.0) if worst is not None else 0.0, max_loss_gap_step=worst,
@@ -200,6 +206,17 @@ def compare(run_a: str | Path, run_b: str | Path, rtol: float = LOSS_RTOL,
         config_diff=config_diff(cfg_a, cfg_b), platforms=(where(ha), where(hb)),
         ends=(max(sa, default=None), max(sb, default=None)),
         planned=(cfg_a.get("steps"), cfg_b.get("steps")), rtol=rtol, norm_rtol=norm_rtol)
+
+
+def _spans(steps: list[int]) -> str:
+    """[3, 4, 5, 9] -> '3..5, 9'."""
+    spans: list[list[int]] = []
+    for s in steps:
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in spans)
 
 
 def describe(r: Report, top: int = 5) -> str:

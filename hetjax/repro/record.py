@@ -123,11 +123,16 @@ def read(run_dir: str | Path) -> tuple[list[dict], dict[int, dict], dict[int, di
         raise ConfigError(f"{run_dir}: no {FILE} here; give the run_dir of a hetjax.train run "
                           f"(runs write it since config.fingerprint_every was added)")
     headers, steps, params = [], {}, {}
-    for line in path.read_text().splitlines():
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a torn last line of a killed run
+            if number == len(lines):
+                continue  # a torn last line of a killed run
+            from hetjax.errors import ConfigError
+            raise ConfigError(f"{path}:{number}: not a JSON line; the file is damaged (only a killed run's last "
+                              f"line may be torn)") from None
         if row.get("kind") == "header":
             headers.append(row)
         elif row.get("kind") == "step":
