@@ -223,17 +223,18 @@ def check_replication(layouts: list[ParamLayout], mesh: Mesh, max_fraction: floa
     return fraction
 
 
-def check_divisible(dims: dict[str, tuple[str, int]], rules, mesh: Mesh) -> None:
+def check_divisible(dims: dict[str, tuple[str, int]], rules, mesh, where: str = "config.mesh") -> None:
     """Every model dimension must split evenly over the mesh axes its rule names.
 
-    `dims` maps logical axis -> (config field, size), e.g. ModelConfig.dims().
+    `dims` maps logical axis -> (config field, size), e.g. ModelConfig.dims(); `mesh` a
+    Mesh or its axis sizes, which the config's `where` sets (an island's: its own mesh).
     """
-    table = dict(rules)
+    table, shape = dict(rules), getattr(mesh, "shape", mesh)
     for logical, (field, size) in dims.items():
         axes = mesh_axes(table.get(logical))
-        parts = shards(axes, mesh.shape)
+        parts = shards(axes, shape)
         if size % parts:
-            sizes = ", ".join(f"config.mesh.{a}={mesh.shape[a]}" for a in axes)
+            sizes = ", ".join(f"{where}.{a}={shape[a]}" for a in axes)
             raise ConfigError(
                 f"config.{field}={size} does not split over {sizes} (config.sharding.rules maps "
                 f"{logical!r} to {axes}); make the mesh axes divide {size}, or map {logical!r} "

@@ -236,6 +236,11 @@ def tiny_islands(overrides=(), **hetero):
     ({"islands": (IslandConfig(name="a", mesh=MeshConfig(pipeline=1)),
                   IslandConfig(name="b", devices_per_process=2, mesh=MeshConfig(pipeline=2, fsdp=1)))},
      "islands are the stages"),
+    # Accepted, then refused once the island was built, naming config.mesh.tensor (which
+    # islands forbid); tiny's 2 kv heads do not split 4 ways.
+    ({"islands": (IslandConfig(name="a", devices_per_process=4, mesh=MeshConfig(fsdp=1, tensor=4)),
+                  IslandConfig(name="b"))},
+     "config.model.num_kv_heads=2 does not split over config.hetero.islands\\[0\\].mesh.tensor=4"),
 ])
 def test_bad_island_configs_are_refused_naming_the_field(hetero, match):
     with pytest.raises(ConfigError, match=match):
@@ -574,3 +579,24 @@ def test_a_resume_under_another_layer_split_is_refused_before_compiling(tmp_path
     with pytest.raises(ConfigError, match=r"places 3 layers on \(the split .*\); set config.hetero.island_layers so,"):
         from hetjax.hetero.checkpoints import check_saved_placement
         check_saved_placement(load(str(config), {"run_dir": str(tmp_path / "run")}), ["cuda"], {"cuda": 3})
+
+
+def test_an_island_s_error_waits_for_the_other_islands_threads_before_it_is_raised():
+    """Virtual islands: one island's ConfigError was raised while another's thread was still
+    compiling; the interpreter then exited under it and aborted (exit 134, not 2)."""
+    import threading
+    import time as time_lib
+
+    from hetjax.hetero import job as job_lib
+    job = object.__new__(job_lib.IslandsJob)
+    job.cfg, job._links = tiny_islands(), []
+    finished = threading.Event()
+
+    def build(k):
+        if k == 0:
+            raise ConfigError("island a: refused")
+        time_lib.sleep(1.0)  # island b, still compiling
+        finished.set()
+    with pytest.raises(ConfigError, match="island a: refused"):
+        job._run([0, 1], build)
+    assert finished.is_set()

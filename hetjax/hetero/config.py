@@ -10,7 +10,7 @@ from hetjax.checkpoint_config import CORRUPT_DIR
 from hetjax.errors import ConfigError
 from hetjax.mesh import MESH_AXES, MeshConfig
 from hetjax.pipeline.config import validate_pipeline
-from hetjax.sharding import check_microbatch_rows
+from hetjax.sharding import check_divisible, check_microbatch_rows
 from hetjax.transfer.link import LinkConfig
 
 PLACEMENTS = ("pipeline", "data")
@@ -168,6 +168,9 @@ def validate_hetero(cfg) -> None:
         if cfg.pipeline.schedule.startswith("1f1b") and cfg.pipeline.microbatches < n:
             raise ConfigError(f"config.pipeline.microbatches={cfg.pipeline.microbatches} is below the {n} "
                               f"islands: 1F1B never fills the pipeline; use at least {n}")
+    for k, island in enumerate(h.islands):  # (it was refused once built, naming config.mesh, which islands forbid)
+        check_divisible({a: d for a, d in cfg.model.dims().items() if a != "layers"}, cfg.sharding.rules,
+                        island_mesh_sizes(island), f"config.hetero.islands[{k}].mesh")
     if h.links and len(h.links) != n - 1:
         raise ConfigError(f"config.hetero.links has {len(h.links)} entries for {n} islands: give one "
                           f"LinkConfig per neighbouring pair ({n - 1}), or set config.hetero.link for all")

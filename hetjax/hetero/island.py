@@ -336,7 +336,7 @@ def build(cfg, k: int, devices, chunks: tuple[tuple[int, int], ...] = ()) -> Isl
     if chunks:
         rules = cfg.sharding.rules
         dims = {**cfg.model.dims(), "layers": ("hetero.island_layers", held)}
-        sharding.check_divisible(dims, rules, mesh)
+        sharding.check_divisible(dims, rules, mesh, f"config.hetero.islands[{k}].mesh")
         tx = optim.make_optimizer(icfg.optim, cfg.steps)
         graphdef, _ = state_lib.abstract_state(cfg.model, cfg.seed, tx)
         abstract = jax.eval_shape(lambda: _init_part(cfg, tx, k, chunks, None))

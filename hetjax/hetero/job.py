@@ -299,6 +299,9 @@ class IslandsJob:
         if errors:
             for links in self._links:
                 links.close()
+            # The others end once their links are closed, or their compile is done: a thread
+            # still inside XLA as the interpreter exits aborts the process (exit 134, not 2).
+            futures.wait(running, timeout=self.cfg.hetero.timeout_s)
             raise next((e for e in errors if not isinstance(e, IslandLost)), errors[0])
         return [f.result() for f in running]
 
