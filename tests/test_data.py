@@ -1,6 +1,7 @@
 """The data pipeline: packing against a plain-Python reference, layout-independent
 batches, exact resume, attention confined to documents, the synthetic floor."""
 
+import dataclasses
 import json
 import os
 import math
@@ -385,7 +386,9 @@ def test_data_settings_their_source_ignores_are_refused():
     """Forgetting config.data.source=jsonl trained on the synthetic language, the path,
     eval_path and tokenizer given unread."""
     from hetjax.config import Config, ConfigError, DataConfig, validate
-    for given in (dict(path="web/*.jsonl"), dict(eval_path="held.jsonl"), dict(tokenizer="tok.json")):
+    for given in (dict(path="web/*.jsonl"), dict(eval_path="held.jsonl"), dict(tokenizer="tok.json"),
+                  dict(eos="true"), dict(bos="false"), dict(text_field="body"), dict(skip_bad_records=True),
+                  dict(index_dir="/nonexistent")):
         with pytest.raises(ConfigError, match=rf"config.data.{next(iter(given))}=.*unread, as source='synthetic' .*"
                                               r"set config.data.source=text, jsonl or array_record"):
             validate(Config(data=DataConfig(**given)))
@@ -393,3 +396,8 @@ def test_data_settings_their_source_ignores_are_refused():
     validate(Config(data=DataConfig(mixture=(("a", 1.0, "jsonl", "x"),), path="data/tiny_text", source="array_record",
                                     tokenizer="tok.json")))
     validate(Config(data=DataConfig(source="jsonl", path="web/*.jsonl", tokenizer="tok.json")))  # read
+    # A branching whose rare tokens fall below the sampler's 1/4096 was numpy's "repeats may
+    # not contain negative values" when the data was built.
+    with pytest.raises(ConfigError, match=r"config.data.branching=2000 with zipf_exponent=1.0: the rarest tokens' "
+                                          r"probabilities fall below 1/4096, .* e.g. 1000"):
+        validate(Config(data=DataConfig(branching=2000), model=dataclasses.replace(Config().model, vocab_size=8192)))

@@ -101,8 +101,22 @@ def test_an_interrupted_prepare_resumes_and_other_options_are_refused(tmp_path, 
     again = prepare.prepare(inputs["parquet"], str(tmp_path / "out"), progress=False, processes=2)
     assert "resuming: 1 of 3 units already done" in capsys.readouterr().out
     assert again == first
-    with pytest.raises(ConfigError, match="holds a preparation of other inputs"):
+    with pytest.raises(ConfigError, match=r"holds a preparation that differs in the inputs \(their paths, sizes or "
+                                          r"times\), how the inputs are cut, --format; give a new directory"):
         prepare.prepare(inputs["plain"], str(tmp_path / "out"), progress=False)
+    # What a bad record's error suggests, --skip_bad, goes on from the units done (it was
+    # refused as "other inputs or options"); an --output that is a file is named.
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "a.jsonl").write_bytes(jsonl(TEXT))
+    (tmp_path / "bad" / "b.jsonl").write_bytes(jsonl(TEXT[:3]) + b'{"body": "x"}\n')
+    with pytest.raises(ConfigError, match=r"b\.jsonl:4: no field 'text'"):
+        prepare.prepare(str(tmp_path / "bad" / "*.jsonl"), str(tmp_path / "out2"), progress=False, processes=1)
+    meta = prepare.prepare(str(tmp_path / "bad" / "*.jsonl"), str(tmp_path / "out2"), progress=False, processes=1,
+                           skip_bad=True)
+    assert "resuming: 1 of 2 units already done" in capsys.readouterr().out
+    assert (meta["num_documents"], meta["skipped"]) == (63, 1)
+    with pytest.raises(ConfigError, match=r"--output=.*a\.jsonl': cannot make a directory there"):
+        prepare.prepare(inputs["plain"], str(tmp_path / "bad" / "a.jsonl"), progress=False)
 
 
 def test_a_killed_prepare_continues_where_it_stopped(tmp_path, capsys):
@@ -431,3 +445,27 @@ def test_a_file_and_a_directory_prepared_from_it_in_two_mixture_entries_are_refu
     with pytest.raises(ConfigError, match=r"config.data.eval_path=.*prep' and config.data.path=.*prep2' were both "
                                           r"prepared from .*copy\.jsonl: the eval documents would be trained on"):
         data.build(Config(model=ModelConfig(vocab_size=320), data=held))
+
+
+def test_empty_texts_are_no_documents_on_every_path(tmp_path):
+    """A blank line was skipped, but {"text": ""} (and an empty Parquet value) became a
+    document of no tokens: BOS and EOS alone, a target that taught the model to stop."""
+    texts = ["hello", "", "  ", "world"]
+    (tmp_path / "a.jsonl").write_bytes(jsonl(texts))
+    pq.write_table(pa.table({"text": texts}), tmp_path / "b.parquet")
+    for name in ("a.jsonl", "b.parquet"):
+        prepare.prepare(str(tmp_path / name), str(tmp_path / f"out-{name}"), progress=False, processes=1)
+        assert read_back(tmp_path / f"out-{name}") == [b"hello", b"world"], name
+    src = data.sources.TextSource(str(tmp_path / "a.jsonl"), "jsonl", data.tokenizers.ByteTokenizer(),
+                                  index_dir=str(tmp_path / "ix"))
+    assert [bytes(src[i].astype(np.uint8)) for i in range(len(src))] == [b"hello", b"world"]
+
+
+def test_a_source_of_one_document_says_so_instead_of_lower_the_fraction(tmp_path):
+    """One document is always held out, so "lower it" could never succeed."""
+    (tmp_path / "book.txt").write_text("a whole book on one line\n")
+    cfg = Config(model=ModelConfig(vocab_size=320), data=DataConfig(source="text", path=str(tmp_path / "book.txt"),
+                                                                    index_dir=str(tmp_path / "ix")))
+    with pytest.raises(ConfigError, match=r"eval_fraction=0.01: the data holds a single document, held out for eval "
+                                          r"whatever the fraction; split it into several, or give the eval"):
+        data.build(cfg)

@@ -58,7 +58,8 @@ def validate_data(cfg) -> None:
     # Settings their source ignores: a run that forgot config.data.source trained on the
     # synthetic language, never saying the path it was given went unread. (A mixture's
     # config.data.source/path are left alone: a config file's own, e.g. tiny_text's, stay set.)
-    ignored = [f"{k}={getattr(d, k)!r}" for k in ("path", "eval_path", "tokenizer")
+    ignored = [f"{k}={getattr(d, k)!r}" for k in ("path", "eval_path", "tokenizer", "text_field", "skip_bad_records",
+                                                  "index_dir", "bos", "eos")
                if d.source == "synthetic" and not d.mixture and getattr(d, k) != getattr(DataConfig, k)]
     if ignored:
         raise ConfigError(f"config.data.{', config.data.'.join(ignored)}: unread, as source='synthetic' makes "
@@ -69,6 +70,14 @@ def validate_data(cfg) -> None:
     if d.source == "synthetic" and d.branching >= cfg.model.vocab_size:
         raise ConfigError(f"config.data.branching={d.branching}: must be below "
                           f"config.model.vocab_size={cfg.model.vocab_size} (token 0 is BOS)")
+    from hetjax.data import synthetic
+    if d.source == "synthetic" and not synthetic.fits_resolution(d.branching, d.zipf_exponent):
+        fits = d.branching // 2
+        while fits > 1 and not synthetic.fits_resolution(fits, d.zipf_exponent):
+            fits //= 2
+        raise ConfigError(f"config.data.branching={d.branching} with zipf_exponent={d.zipf_exponent}: the rarest "
+                          f"tokens' probabilities fall below 1/{synthetic.RESOLUTION}, the sampler's unit; use "
+                          f"a smaller branching, e.g. {fits}")
     if not 0.0 < d.eval_fraction < 1.0:
         raise ConfigError(f"config.data.eval_fraction={d.eval_fraction}: must lie in (0, 1)")
     for key in ("num_workers", "start_step"):

@@ -317,6 +317,10 @@ def _split(source, fraction: float, seed: int, mixture: bool = False):
     held = np.random.default_rng([seed, 0xE7A1]).random(len(source)) < fraction
     if not held.any():
         held[np.random.default_rng([seed, 0xE7A1]).integers(len(source))] = True
+    if held.all() and len(source) == 1:  # at least one is held out, whatever the fraction
+        raise ConfigError(f"config.data.eval_fraction={fraction}: the data{' (a mixture entry)' if mixture else ''} "
+                          f"holds a single document, held out for eval whatever the fraction; split it into several"
+                          + ("" if mixture else ", or give the eval documents as config.data.eval_path"))
     if held.all():
         raise ConfigError(f"config.data.eval_fraction={fraction}: nothing is left to train on; "
                           f"lower it" + ("" if mixture else " or set config.data.eval_path"))

@@ -119,15 +119,23 @@ def prepare(input: str, output: str, *, fmt: str = "", field: str = "text", toke
     tok = tokenizers.load(tokenizer)
     units = readers.units(files, field, chunk_bytes)  # checks the columns before any process starts
     out = Path(output)
-    (out / ".progress").mkdir(parents=True, exist_ok=True)
+    try:
+        (out / ".progress").mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file there, or no permission
+        raise ConfigError(f"--output={output!r}: cannot make a directory there ({e.strerror}); give a new "
+                          f"directory's path") from None
     stats = [{"path": str(f), "bytes": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files]
-    plan = json.dumps([stats, [list(vars(u).values()) for u in units], fmt, field, tok.fingerprint,
-                       docs_per_shard, skip_bad])
+    parts = [stats, [list(vars(u).values()) for u in units], fmt, field, tok.fingerprint, docs_per_shard, skip_bad]
     plan_file = out / ".progress" / "plan.json"
-    if plan_file.is_file() and plan_file.read_text() != plan:
-        raise ConfigError(f"--output={output!r} holds a preparation of other inputs or options; "
-                          f"give a new directory, or delete {out} to start again")
-    _write_atomic(plan_file, plan)
+    if plan_file.is_file() and (old := json.loads(plan_file.read_text())) != parts:
+        names = ("the inputs (their paths, sizes or times)", "how the inputs are cut", "--format", "--field",
+                 "--tokenizer", "--docs_per_shard", "--skip_bad")
+        differ = [n for n, a, b in zip(names, old, parts) if a != b]
+        # Units finished without --skip_bad skipped nothing: the same with it. (The rest redo.)
+        if differ != ["--skip_bad"] or not skip_bad:
+            raise ConfigError(f"--output={output!r} holds a preparation that differs in {', '.join(differ)}; give a "
+                              f"new directory, or delete {out} to start again")
+    _write_atomic(plan_file, json.dumps(parts))
     done = {i: json.loads((out / ".progress" / f"unit-{i:05d}.json").read_text())
             for i in range(len(units)) if (out / ".progress" / f"unit-{i:05d}.json").is_file()}
     todo = [(i, u, str(out), fmt, field, skip_bad, docs_per_shard) for i, u in enumerate(units) if i not in done]

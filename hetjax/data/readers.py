@@ -128,13 +128,15 @@ def read(unit: Unit, fmt: str, field: str, skip_bad: bool, skipped: list, batch:
         if not body.strip():
             continue
         try:
-            texts.append(sources._parse(body, fmt, field))
+            text = sources._parse(body, fmt, field)
         except ValueError as e:
             if not skip_bad:
                 raise DataError(f"{unit.path}:{lineno}: {e}; fix the line, or pass --skip_bad "
                                 f"(config.data.skip_bad_records) to skip such lines") from None
             skipped.append((unit.path, lineno, str(e)))
             continue
+        if text.strip():  # an empty text is no document, as a blank line is not (its EOS alone was trained on)
+            texts.append(text)
         if len(texts) == batch:
             yield texts
             texts = []
@@ -239,7 +241,8 @@ def _columnar(unit: Unit, field: str, skip_bad: bool, skipped: list, batch: int)
         texts = []
         for i, v in enumerate(values):
             if isinstance(v, str):
-                texts.append(v)
+                if v.strip():  # as read()'s texts
+                    texts.append(v)
             elif not skip_bad:
                 raise DataError(f"{unit.path}: row {row + i}: column {field!r} is "
                                 f"{type(v).__name__}, not a string; pass --skip_bad to skip such rows")

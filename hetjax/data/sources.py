@@ -94,7 +94,8 @@ def iter_documents(files: list[Path], fmt: str, field: str, skip_bad: bool, skip
                                     f"config.data.skip_bad_records=true to skip such lines") from None
                 skipped.append((str(path), lineno, str(e)))
                 continue
-            yield fi, start, len(body), text
+            if text.strip():  # an empty text is no document, as a blank line is not (readers.read)
+                yield fi, start, len(body), text
 
 
 def _parse(body: bytes, fmt: str, field: str) -> str:

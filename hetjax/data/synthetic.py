@@ -55,12 +55,30 @@ def uniform_slots(key: int, n: int, resolution: int) -> list[int]:
     return ((z >> _U64(32)) * _U64(resolution) >> _U64(32)).tolist()  # top 32 bits scaled
 
 
+RESOLUTION = 1 << 12
+
+
+def emission_counts(branching: int, exponent: float, resolution: int = RESOLUTION) -> np.ndarray:
+    """A state's Zipf probabilities as integer counts out of `resolution` (each at least 1,
+    the most likely token taking what the others leave: below 1 when they leave none)."""
+    weights = 1.0 / np.arange(1, branching + 1) ** exponent
+    counts = np.maximum(1, np.floor(weights / weights.sum() * resolution)).astype(np.int64)
+    counts[0] += resolution - counts.sum()
+    return counts
+
+
+def fits_resolution(branching: int, zipf_exponent: float, resolution: int = RESOLUTION) -> bool:
+    """Whether every state's probabilities (exponents 0.5 to 2 times zipf_exponent) are
+    multiples of 1/resolution with the most likely token's still positive."""
+    return all(emission_counts(branching, zipf_exponent * f, resolution)[0] >= 1 for f in np.linspace(0.5, 2.0, 16))
+
+
 class SyntheticLanguage:
     """The automaton, its exact floors, and its documents as random-access sources."""
 
     def __init__(self, vocab_size: int, *, seed: int, num_states: int = 32, branching: int = 8,
                  zipf_exponent: float = 1.0, mean_doc_length: int = 48,
-                 num_documents: int = 100_000, resolution: int = 1 << 12):
+                 num_documents: int = 100_000, resolution: int = RESOLUTION):
         if vocab_size - 1 < branching:
             raise ValueError(f"vocab_size={vocab_size} leaves fewer than branching={branching} tokens")
         self.vocab_size, self.seed, self.num_states = vocab_size, seed, num_states
@@ -72,9 +90,7 @@ class SyntheticLanguage:
         slots = []
         for s in range(num_states):
             # Each state its own Zipf exponent, so states differ in entropy.
-            weights = 1.0 / np.arange(1, branching + 1) ** (zipf_exponent * rng.uniform(0.5, 2.0))
-            counts = np.maximum(1, np.floor(weights / weights.sum() * resolution)).astype(np.int64)
-            counts[0] += resolution - counts.sum()  # integer probabilities summing to 1 exactly
+            counts = emission_counts(branching, zipf_exponent * rng.uniform(0.5, 2.0), resolution)
             support = rng.choice(np.arange(1, vocab_size), size=branching, replace=False)
             self.emit[s, support] = counts / resolution
             self.next[s, support] = rng.integers(0, num_states, size=branching)
