@@ -664,6 +664,37 @@ def test_a_closed_endpoint_lets_go_of_its_port():
         a.send(random_array((8, 4), "int32", 7, sh), "late", sh, peers={0: ("127.0.0.1:9",)})
 
 
+def test_close_ends_a_stream_still_waiting_for_its_peer_to_listen():
+    """A stream retrying its connection (the receiver not up) kept retrying for timeout_s
+    after close(): close() waited its 5 s grace and returned with the thread alive."""
+    a = open_endpoint(LinkConfig(backend="host", timeout_s=30))
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P("a"))
+    h = a.send(jax.device_put(jnp.arange(1024, dtype=jnp.float32), sh), "t", sh, peers={0: ("127.0.0.1:9",)})
+    time.sleep(0.5)
+    start = time.monotonic()
+    a.close()
+    assert time.monotonic() - start < 3
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("hetjax-send")]
+    with pytest.raises(TransferError, match="this endpoint was closed while the message was in flight"):
+        h.wait()
+    assert time.monotonic() - start < 5
+
+
+def test_closing_a_direct_endpoint_ends_its_receives_at_once():
+    """A receive waiting on a closed direct endpoint ran out its timeout_s, then blamed the
+    peer ("sent nothing matching"); local and host end theirs at once."""
+    a, b = endpoints("direct", timeout_s=30)
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("a",)), P("a"))
+    r = b.recv("w", jax.ShapeDtypeStruct((8,), jnp.float32, sharding=sh), sh, peers={0: a.addresses})
+    time.sleep(0.3)
+    start = time.monotonic()
+    b.close()
+    with pytest.raises(TransferError, match="recv 'w': this endpoint was closed"):
+        r.wait()
+    assert time.monotonic() - start < 5
+    a.close()
+
+
 def test_close_returns_once_the_endpoints_threads_have_ended():
     """A thread of a closed endpoint still running as the interpreter finalizes can abort
     the process ("FATAL: exception not rethrown"); close() waits for its accepting,

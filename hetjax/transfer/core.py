@@ -203,11 +203,11 @@ def run_async(fn, *args) -> futures.Future:
     a small message's whole transfer."""
     future: futures.Future = futures.Future()
 
-    def body():
+    def body():  # settle: close() may have failed the transfer already
         try:
-            future.set_result(fn(*args))
+            settle(future, fn(*args))
         except BaseException as e:  # noqa: BLE001 - handed to the waiter
-            future.set_exception(e)
+            settle(future, error=e)
 
     try:
         inbox = _idle.get_nowait()

@@ -82,7 +82,7 @@ class DirectEndpoint(Endpoint):
         self._conns: dict[str, object] = {}
         self._descriptors: dict[tuple, jax.Array] = {}
         self._lock = threading.Lock()
-        self._posted: set[str] = set()  # tags of receives in flight: a twin would pull the same offer
+        self._posted: dict[str, core.Handle] = {}  # receives in flight: a twin would pull the same offer
 
     def _uuid(self, tag, p, q, avals, src, dst) -> int:
         """The offer's id; with avals None, the id of its descriptor."""
@@ -132,11 +132,11 @@ class DirectEndpoint(Endpoint):
                 wanted.setdefault(piece.src_process, []).append((i, piece, sds))
         core.check_peers(peers, wanted, f"recv {tag!r}", "source")
         self.check_open(f"recv {tag!r}")
+        handle = core.Handle(None, f"recv {tag!r}")
         with self._lock:
             if tag in self._posted:
                 raise self.twin(tag)
-            self._posted.add(tag)
-        handle = core.Handle(None, f"recv {tag!r}")
+            self._posted[tag] = handle
         handle.watch(None, self.cfg.timeout_s)  # bounds the fan-out; pulls have their own wait
         try:
             handle.run(self._receive, tag, expect, src_layouts, wanted, peers, handle)
@@ -148,7 +148,19 @@ class DirectEndpoint(Endpoint):
 
     def _unpost(self, tag: str) -> None:
         with self._lock:
-            self._posted.discard(tag)
+            self._posted.pop(tag, None)
+
+    def close(self) -> None:
+        """Fails the receives in flight at once (a pull cannot be cancelled: its thread ends
+        with it, within timeout_s) and lets go of the offers' descriptors and connections.
+        The transfer server listens until it is garbage-collected: jax has no stop for it."""
+        self.closed = True
+        with self._lock:
+            handles = list(self._posted.values())
+            self._descriptors.clear()
+            self._conns.clear()
+        for handle in handles:  # they would wait out timeout_s, then blame the peer
+            core.settle(handle.future, error=TransferError(f"{handle.describe}: this endpoint was closed"))
 
     def _connection(self, address):
         with self._lock:

@@ -400,7 +400,7 @@ class HostEndpoint(Endpoint):
         """A new authenticated connection to a peer's `address` (a stream's, on its first use).
         Its writes and its wait for an ACK may outlast timeout_s while the receiver is busy
         (its receive not yet posted); the send's waiter pings it meanwhile (send)."""
-        sock = wire.connect(address, self._secret, self.cfg.timeout_s)
+        sock = wire.connect(address, self._secret, self.cfg.timeout_s, stop=lambda: self.closed)  # close() ends retries
         sock.settimeout(self.cfg.busy_timeout_s)
         return sock
 

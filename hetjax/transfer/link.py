@@ -95,15 +95,16 @@ def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def retry(attempt, timeout_s: float, pause_s: float, fail):
+def retry(attempt, timeout_s: float, pause_s: float, fail, stop=None):
     """attempt()'s result, tried again every pause_s while it raises OSError (a peer or a
-    name that is not there yet); after timeout_s, raises fail(the last OSError)."""
+    name that is not there yet); after timeout_s, or once stop() says so (an endpoint
+    closing), raises fail(the last OSError)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             return attempt()
         except OSError as e:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or (stop is not None and stop()):
                 raise fail(e) from None
             time.sleep(pause_s)
 

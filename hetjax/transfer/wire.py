@@ -288,9 +288,10 @@ def pinger(peers, processes, secret: bytes, timeout_s: float, pending=None):
     return alive
 
 
-def connect(address: str, secret: bytes, timeout_s: float, retry: bool = True) -> socket.socket:
+def connect(address: str, secret: bytes, timeout_s: float, retry: bool = True, stop=None) -> socket.socket:
     """A connection to `address` ("host:port") on which both sides proved the job's
-    secret; retries while the peer starts (with `retry`), TransferTimeout after timeout_s."""
+    secret; retries while the peer starts (with `retry`, until stop() if given),
+    TransferTimeout after timeout_s."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
 
@@ -303,7 +304,7 @@ def connect(address: str, secret: bytes, timeout_s: float, retry: bool = True) -
             raise
 
     sock, challenge = link.retry(attempt, timeout_s if retry else 0.0, 0.05, lambda e: TransferTimeout(
-        f"peer {address} did not accept a connection within {timeout_s:g} s ({e})"))
+        f"peer {address} did not accept a connection within {timeout_s:g} s ({e})"), stop)
     try:  # a failed handshake closes the socket: the error kept in a send's handle must not hold it
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = os.urandom(32)
