@@ -190,9 +190,15 @@ def check_fits(cfg: Config, est: Estimate, mesh) -> None:
     budget = cfg.memory_fraction * limit
     if est.total <= budget:
         return
-    # Full FSDP over k devices divides state and (while the batch allows) activations by k.
-    one_device_total = est.total * est.devices
-    need_devices = math.ceil(one_device_total / budget)
+    # Full FSDP over k devices divides state and (while the batch allows) activations by k;
+    # k must split the batch's rows (41 devices cannot take 16 rows, nor can 32).
+    need_devices = math.ceil(est.total * est.devices / budget)
+    rows = cfg.batch_size // cfg.optim.grad_accum_steps
+    splits = [k for k in range(need_devices, rows + 1) if rows % k == 0]
+    devices_hint = (f"about {splits[0]} devices of this size with the model sharded over config.mesh.fsdp" if splits
+                    else f"not even {rows} devices, one row each (the most a batch of config.batch_size={cfg.batch_size}"
+                         f" splits over), with the model sharded over config.mesh.fsdp: lower config.seq_len or "
+                         f"the model, or recompute more (config.model.remat='full')")
     fixed = est.total - cfg.model.num_layers * est.per_layer
     max_layers = int((budget - fixed) // est.per_layer) if est.per_layer else 0
     if mesh.shape["pipeline"] > 1:  # a count the stages (and their chunks) split evenly
@@ -202,6 +208,5 @@ def check_fits(cfg: Config, est: Estimate, mesh) -> None:
     raise DoesNotFit(
         f"config {cfg.name!r} needs about {est.describe()} on a mesh of {est.devices} device(s), "
         f"but each device has {limit / GiB:.1f} GiB ({source}; config.memory_fraction="
-        f"{cfg.memory_fraction} of it is usable). What would fit: about {need_devices} devices "
-        f"of this size with the model sharded over config.mesh.fsdp, or on these devices {layer_hint}. "
+        f"{cfg.memory_fraction} of it is usable). What would fit: {devices_hint}; or on these devices {layer_hint}. "
         f"Nothing was allocated.")

@@ -253,6 +253,22 @@ def test_a_pipelines_does_not_fit_hint_names_a_layer_count_that_fits_and_splits(
     memory.check_fits(cfg, est, mesh)  # fits, as it said
 
 
+def test_the_does_not_fit_hint_names_a_device_count_the_batch_splits_over():
+    """16 rows needing 41 devices' memory were told "about 41 devices", which no mesh can
+    split 16 rows over (nor 32, the next fsdp that would hold them)."""
+    cfg = dataclasses.replace(tiny(), batch_size=16, seq_len=256, mesh=MeshConfig(fsdp=1))
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+    est = memory.estimate(cfg, program.build(cfg, mesh).layouts, mesh)
+
+    def hint(share):  # of the estimate that one device holds
+        small = dataclasses.replace(cfg, device_memory_gib=share * est.total / memory.GiB / cfg.memory_fraction)
+        with pytest.raises(memory.DoesNotFit) as refused:
+            memory.check_fits(small, est, mesh)
+        return str(refused.value)
+    assert "What would fit: about 4 devices of this size with the model sharded over config.mesh.fsdp" in hint(1 / 3)
+    assert "What would fit: not even 16 devices, one row each" in hint(1 / 40)
+
+
 def test_the_gathered_weights_follow_the_sharding_rules_not_the_fsdp_axis():
     """ZeRO-3 over `data` (config.sharding.rules mapping embed to data, the batch split over
     data) gathers each weight as fsdp does: the estimate equals fsdp=8's, gathered weights
