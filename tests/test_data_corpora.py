@@ -469,3 +469,13 @@ def test_a_source_of_one_document_says_so_instead_of_lower_the_fraction(tmp_path
     with pytest.raises(ConfigError, match=r"eval_fraction=0.01: the data holds a single document, held out for eval "
                                           r"whatever the fraction; split it into several, or give the eval"):
         data.build(cfg)
+
+
+def test_a_file_whose_name_holds_a_comma_is_prepared_from_a_glob(tmp_path):
+    """prepare joined a glob's matches with commas and split them again: 'part-1,2.jsonl'
+    became 'part-1' (does not exist), where training reads the same glob fine."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "part-1,2.jsonl").write_bytes(jsonl(TEXT[:5]))
+    (tmp_path / "c" / "part-3.jsonl").write_bytes(jsonl(TEXT[5:9]))
+    meta = prepare.prepare(str(tmp_path / "c" / "*.jsonl"), str(tmp_path / "out"), progress=False, processes=1)
+    assert meta["num_documents"] == 9

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import bz2
 import dataclasses
-import glob
 import gzip
 import io
 import json
 import lzma
-import os
 import zlib
 from pathlib import Path
 
@@ -38,17 +36,14 @@ def expand(patterns: str, what: str = "--input") -> list[Path]:
     """Files and saved-dataset directories (their Arrow files) named by paths or globs."""
     files: list[Path] = []
     for pattern in filter(None, (p.strip() for p in patterns.split(","))):
-        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
-        for m in matches:
-            if Path(m).is_dir():
-                files += hf_dataset_files(Path(m), what)
-        rest = ",".join(glob.escape(m) for m in matches if not Path(m).is_dir())
-        files += sources.expand(rest or pattern, what) if rest or not matches else []
+        # (matches are not joined into a pattern again: a name with a comma was cut in two)
+        for m in sources.matched(pattern, patterns, what):
+            files += hf_dataset_files(Path(m), what) if Path(m).is_dir() else [Path(m)] if Path(m).is_file() else []
     if not files:
         raise DataError(f"{what}={patterns!r}: no files; give files, globs or a saved dataset directory")
-    # sources.expand checks one pattern's files; a file named by two patterns (or a saved
-    # dataset's Arrow file named beside its directory) would be prepared twice
-    sources.check_once(files, patterns, what)
+    # a file named by two patterns (or a saved dataset's Arrow file named beside its
+    # directory) would be prepared twice
+    sources.check_files(files, patterns, what)
     return files
 
 

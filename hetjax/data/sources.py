@@ -33,20 +33,30 @@ def expand(patterns: str, field: str = "config.data.path") -> list[Path]:
     """Comma-separated paths or globs -> existing, non-empty files, in sorted order."""
     files: list[Path] = []
     for pattern in filter(None, (p.strip() for p in patterns.split(","))):
-        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
-        if not matches:
-            what = "matches no file" if glob.has_magic(pattern) else "does not exist"
-            raise DataError(f"{field}={patterns!r}: {pattern!r} {what}")
-        files += [Path(m) for m in matches if Path(m).is_file()]
+        files += [Path(m) for m in matched(pattern, patterns, field) if Path(m).is_file()]
     if not files:
         raise DataError(f"{field}={patterns!r}: no files; give a path or glob of text/JSONL files")
+    check_files(files, patterns, field)
+    return files
+
+
+def matched(pattern: str, patterns: str, field: str) -> list[str]:
+    """What one of `patterns` names, sorted; DataError if nothing."""
+    matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+    if not matches:
+        what = "matches no file" if glob.has_magic(pattern) else "does not exist"
+        raise DataError(f"{field}={patterns!r}: {pattern!r} {what}")
+    return matches
+
+
+def check_files(files: list[Path], patterns: str, field: str) -> None:
+    """DataError for a file named twice, unreadable or empty."""
     check_once(files, patterns, field)
     for f in files:
         if not os.access(f, os.R_OK):
             raise DataError(f"{f}: cannot be read (permission denied)")
         if f.stat().st_size == 0:
             raise DataError(f"{f}: the file is empty")
-    return files
 
 
 def check_once(files: list[Path], patterns: str, field: str) -> None:
