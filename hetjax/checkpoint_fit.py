@@ -191,8 +191,8 @@ def check_not_past(cfg, step: int, directory) -> None:
     `step`'s state as config.steps."""
     if step > cfg.steps:
         raise ConfigError(f"config.steps={cfg.steps}: {directory} already holds step {step}; raise "
-                          f"config.steps to train on (with --config.optim.decay_steps={cfg.optim.decay_steps or cfg.steps} "
-                          f"to keep the learning-rate schedule), or give a new config.run_dir")
+                          f"config.steps to train on (config.optim.decay_steps at the run's own steps keeps its "
+                          f"learning-rate schedule), or give a new config.run_dir")
 
 
 def _held_steps(directory: Path) -> list[int]:

@@ -456,9 +456,17 @@ def test_empty_texts_are_no_documents_on_every_path(tmp_path):
     for name in ("a.jsonl", "b.parquet"):
         prepare.prepare(str(tmp_path / name), str(tmp_path / f"out-{name}"), progress=False, processes=1)
         assert read_back(tmp_path / f"out-{name}") == [b"hello", b"world"], name
-    src = data.sources.TextSource(str(tmp_path / "a.jsonl"), "jsonl", data.tokenizers.ByteTokenizer(),
-                                  index_dir=str(tmp_path / "ix"))
+    def text_source():
+        return data.sources.TextSource(str(tmp_path / "a.jsonl"), "jsonl", data.tokenizers.ByteTokenizer(),
+                                       index_dir=str(tmp_path / "ix"))
+    src = text_source()
     assert [bytes(src[i].astype(np.uint8)) for i in range(len(src))] == [b"hello", b"world"]
+    # An index cached before empty texts were dropped (4 documents) is built again.
+    cache = next((tmp_path / "ix").glob("*.npz"))
+    old = {k: v for k, v in np.load(cache).items() if k != "empty"}
+    old.update(file_id=np.zeros(4, np.int64), offset=np.arange(4), size=np.ones(4, np.int64), tokens=np.ones(4, np.int64))
+    np.savez(cache, **old)
+    assert len(text_source()) == 2 and "empty" in np.load(cache)
 
 
 def test_a_source_of_one_document_says_so_instead_of_lower_the_fraction(tmp_path):
@@ -469,6 +477,15 @@ def test_a_source_of_one_document_says_so_instead_of_lower_the_fraction(tmp_path
     with pytest.raises(ConfigError, match=r"eval_fraction=0.01: the data holds a single document, held out for eval "
                                           r"whatever the fraction; split it into several, or give the eval"):
         data.build(cfg)
+
+
+def test_a_text_that_begins_with_bzh_is_text(tmp_path):
+    """bz2 was told by "BZh" alone: a corpus opening with those letters was refused at
+    start-up as compressed."""
+    (tmp_path / "a.txt").write_text("BZh is how a bzip2 file begins\nand this is text\n")
+    assert data.sources.kind(tmp_path / "a.txt") == "plain"
+    (tmp_path / "a.txt.bz2").write_bytes(bz2.compress(b""))
+    assert data.sources.kind(tmp_path / "a.txt.bz2") == "bz2"
 
 
 def test_a_file_whose_name_holds_a_comma_is_prepared_from_a_glob(tmp_path):

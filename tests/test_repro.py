@@ -231,6 +231,12 @@ def test_a_run_lacking_steps_in_the_middle_is_void_and_a_garbled_line_is_named(t
     (b / "fingerprints.jsonl").write_text("\n".join(kept) + "\n")
     r = compare.compare(a, b)
     assert r.code == compare.VOID and r.void.startswith("run B has no fingerprint for steps 1..18, which the other"), r.void
+    # A run that began later (init_from, or another run's checkpoint) lacks nothing of its own.
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "fingerprints.jsonl").write_text("\n".join(r for r in rows if '"kind": "step"' not in r or any(
+        f'"step": {s},' in r for s in range(10, 20))) + "\n")
+    assert compare.compare(a, late).void is None and compare.compare(a, late).steps == list(range(10, 20))
     (b / "fingerprints.jsonl").write_text("\n".join(rows[:3] + ['{"kind": "st'] + rows[3:]) + "\n")
     with pytest.raises(ConfigError, match=r"fingerprints.jsonl:4: not a JSON line; the file is damaged"):
         compare.compare(a, b)

@@ -78,11 +78,12 @@ def has_bom(path: Path) -> bool:
         return f.read(3) == BOM
 
 
-def iter_documents(files: list[Path], fmt: str, field: str, skip_bad: bool, skipped: list):
+def iter_documents(files: list[Path], fmt: str, field: str, skip_bad: bool, skipped: list, empty: list | None = None):
     """Yields (file index, byte offset, byte length, text) of every document.
 
     A bad line raises DataError naming file and line, or with `skip_bad` is
-    appended to `skipped` as (file, line, reason) and left out."""
+    appended to `skipped` as (file, line, reason) and left out. A record whose text
+    is empty or blank is no document (appended to `empty` as (file, line))."""
     for fi, path in enumerate(files):
         try:
             data = path.read_bytes()
@@ -106,6 +107,8 @@ def iter_documents(files: list[Path], fmt: str, field: str, skip_bad: bool, skip
                 continue
             if text.strip():  # an empty text is no document, as a blank line is not (readers.read)
                 yield fi, start, len(body), text
+            elif empty is not None:
+                empty.append((str(path), lineno))
 
 
 def _parse(body: bytes, fmt: str, field: str) -> str:
@@ -133,17 +136,20 @@ def _parse(body: bytes, fmt: str, field: str) -> str:
     return text
 
 
-GZIP, ZSTD, PARQUET, BZIP2, XZ = b"\x1f\x8b", b"\x28\xb5\x2f\xfd", b"PAR1", b"BZh", b"\xfd7zXZ\x00"
+GZIP, ZSTD, PARQUET, XZ = b"\x1f\x8b", b"\x28\xb5\x2f\xfd", b"PAR1", b"\xfd7zXZ\x00"
+# "BZh", a block size, then a block's magic (pi) or the stream's end (sqrt pi): "BZh" alone
+# may open a line of text
+BZIP2 = re.compile(rb"BZh[1-9](\x31\x41\x59\x26\x53\x59|\x17\x72\x45\x38\x50\x90)")
 
 
 def kind(path: Path) -> str:
     """plain | gzip | zstd | bz2 | xz | parquet, from the file's first bytes."""
     with open(path, "rb") as f:
-        head = f.read(6)
-    for name, magic in (("gzip", GZIP), ("zstd", ZSTD), ("parquet", PARQUET), ("bz2", BZIP2), ("xz", XZ)):
+        head = f.read(10)
+    for name, magic in (("gzip", GZIP), ("zstd", ZSTD), ("parquet", PARQUET), ("xz", XZ)):
         if head.startswith(magic):
             return name
-    return "plain"
+    return "bz2" if BZIP2.match(head) else "plain"
 
 
 class TextSource:
@@ -169,8 +175,9 @@ class TextSource:
         cache = Path(index_dir or Path(self.files[0]).parent / ".hetjax-index") / f"{key}.npz"
         index = dict(np.load(cache)) if cache.is_file() else {}
         bom = any(has_bom(f) for f in self.files)
-        # none, or cached before lines ended at LF only, or (a file with a BOM) before it was dropped
-        if "lone_cr" not in index or bom and "bom" not in index:
+        # none, or cached before lines ended at LF only, or (a file with a BOM) before it was
+        # dropped, or before empty texts were dropped
+        if "lone_cr" not in index or bom and "bom" not in index or "empty" not in index:
             index = self._build_index(skip_bad)
             _save_atomic(cache, index)
         # Files with a lone CR split into other documents than before lines ended at LF
@@ -178,6 +185,7 @@ class TextSource:
         # a run begun before is refused); other files' fingerprints are what they were.
         lf = ["lines end at LF"] if index["lone_cr"].any() else []
         lf += ["BOM dropped"] if bom else []
+        lf += ["empty texts dropped"] if int(index["empty"]) else []
         content = hashlib.sha256(json.dumps([[str(h) for h in index["sha256"]], *options, *lf]).encode())
         self.fingerprint = f"{fmt}:{content.hexdigest()[:20]}"
         self.file_ids, self.offsets, self.sizes = index["file_id"], index["offset"], index["size"]
@@ -190,6 +198,7 @@ class TextSource:
 
     def _build_index(self, skip_bad: bool) -> dict[str, np.ndarray]:
         skipped: list = []
+        empty: list = []
         rows, pending = [], []
 
         def flush():  # tokenizers encode a batch faster than its documents one by one
@@ -197,7 +206,7 @@ class TextSource:
             rows.extend((fi, off, size, n) for (fi, off, size, _), n in zip(pending, counts))
             pending.clear()
 
-        for doc in iter_documents(self.files, self.fmt, self.field, skip_bad, skipped):
+        for doc in iter_documents(self.files, self.fmt, self.field, skip_bad, skipped, empty):
             pending.append(doc)
             if len(pending) == 1024:
                 flush()
@@ -215,7 +224,7 @@ class TextSource:
             lone_cr.append(_LONE_CR.search(raw) is not None)
         return {"file_id": cols[:, 0], "offset": cols[:, 1], "size": cols[:, 2], "tokens": cols[:, 3],
                 "skipped": np.int64(len(skipped)), "sha256": np.asarray(digests), "lone_cr": np.asarray(lone_cr),
-                "bom": np.True_}  # built with the BOM dropped
+                "bom": np.True_, "empty": np.int64(len(empty))}  # built with the BOM and empty texts dropped
 
     def __getstate__(self):  # open files stay in their process
         return {**self.__dict__, "_handles": {}}

@@ -30,7 +30,7 @@ class Report:
     a: str
     b: str
     steps: list[int]  # steps both runs recorded
-    lacking: tuple[list[int], list[int]]  # steps the other run recorded and A (B) lacks
+    lacking: tuple[list[int], list[int]]  # steps the other run recorded and A (B) lacks inside its span
     ends: tuple[int | None, int | None]  # the last step each run recorded
     planned: tuple[int | None, int | None]  # config.steps each run ended with
     first_data_diff: int | None
@@ -195,7 +195,7 @@ def compare(run_a: str | Path, run_b: str | Path, rtol: float = LOSS_RTOL,
         f"{x['platform']} ({x['device_kind']}, jax {x['jax']}, {x['profile']}, {_layout_words(x)})"
         for x in h) or "?"
     return Report(
-        a=str(run_a), b=str(run_b), steps=steps, lacking=(sorted(set(sb) - set(sa)), sorted(set(sa) - set(sb))),
+        a=str(run_a), b=str(run_b), steps=steps, lacking=(_gaps(sa, sb), _gaps(sb, sa)),
         first_data_diff=first_data, init_step=init,
         init_equal=None if init is None else pa[init]["params"] == pb[init]["params"],
         first_loss_diff=first_loss, first_grad_norm_diff=first_gn,
@@ -206,6 +206,12 @@ def compare(run_a: str | Path, run_b: str | Path, rtol: float = LOSS_RTOL,
         config_diff=config_diff(cfg_a, cfg_b), platforms=(where(ha), where(hb)),
         ends=(max(sa, default=None), max(sb, default=None)),
         planned=(cfg_a.get("steps"), cfg_b.get("steps")), rtol=rtol, norm_rtol=norm_rtol)
+
+
+def _gaps(own: dict, other: dict) -> list[int]:
+    """The steps `other` recorded that `own` lacks inside its own first..last (a run that
+    started later, from init_from or another checkpoint, lacks the steps before it)."""
+    return sorted(s for s in set(other) - set(own) if min(own, default=0) <= s <= max(own, default=-1))
 
 
 def _spans(steps: list[int]) -> str:

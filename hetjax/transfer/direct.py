@@ -144,6 +144,8 @@ class DirectEndpoint(Endpoint):
             self._unpost(tag)
             raise
         handle.future.add_done_callback(lambda _: self._unpost(tag))
+        if self.closed:  # close() came while it was posted, and found no future to fail
+            core.settle(handle.future, error=TransferError(f"recv {tag!r}: this endpoint was closed"))
         return handle
 
     def _unpost(self, tag: str) -> None:
@@ -160,7 +162,8 @@ class DirectEndpoint(Endpoint):
             self._descriptors.clear()
             self._conns.clear()
         for handle in handles:  # they would wait out timeout_s, then blame the peer
-            core.settle(handle.future, error=TransferError(f"{handle.describe}: this endpoint was closed"))
+            if handle.future is not None:  # (one being posted checks `closed` once it runs)
+                core.settle(handle.future, error=TransferError(f"{handle.describe}: this endpoint was closed"))
 
     def _connection(self, address):
         with self._lock:

@@ -106,15 +106,16 @@ class HostEndpoint(Endpoint):
             self._posted.notify_all()
         # By id, not the inbox itself: the handle's future keeps its callbacks, and an inbox
         # it held would keep the received buffers from the pool until a garbage collection.
-        handle.future.add_done_callback(lambda _, key=id(inbox): self._drop(tag, key))
+        handle.future.add_done_callback(lambda f, key=id(inbox): self._drop(tag, key, f.exception()))
         if not inbox.left:
             inbox.finish()
         return handle
 
-    def _drop(self, tag, key: int):
-        with self._posted:
+    def _drop(self, tag, key: int, failed):
+        with self._posted:  # a receive that failed: the rest of its messages is refused (_inbox)
             if id(self._inboxes.get(tag)) == key:
-                self._withdrawn.add(self._inboxes.pop(tag).messages)
+                messages = self._inboxes.pop(tag).messages
+                self._withdrawn.add(messages if failed is not None else set())
 
     def _start(self, target, *args, name: str) -> None:
         """Starts one of this endpoint's threads, which close() waits for."""
@@ -235,12 +236,7 @@ class HostEndpoint(Endpoint):
                 tag = meta.get("tag")
                 if kind != wire.END:
                     busy = busy or self._settle(+1)
-                    posted = self._inbox(tag, peer)
-                    # A receive that timed out is withdrawn and its tag may be posted again: the
-                    # rest of its message (on this stream or another) must not land in the new one.
-                    self._withdrawn.check(tag, meta.get("msg"), peer)
-                    inbox = posted
-                    inbox.messages.add(meta.get("msg"))
+                    inbox = self._inbox(tag, peer, meta.get("msg"))
                     if kind == wire.BATCH:  # the chunks' headers, then their payloads in that order
                         self._batch(conn, peer, inbox, meta["chunks"])
                     else:
@@ -275,11 +271,13 @@ class HostEndpoint(Endpoint):
             self._quiet.notify_all()
         return change > 0
 
-    def _inbox(self, tag, peer) -> Inbox:
-        """The posted receive for `tag`, waiting up to busy_timeout_s for it to be posted:
-        this process is alive, its main thread busy (compiling, restoring, a long step)."""
+    def _inbox(self, tag, peer, message) -> Inbox:
+        """The posted receive for `tag`, waited for up to busy_timeout_s (its process is busy:
+        compiling, restoring, a long step). The rest of a failed (withdrawn) receive's message
+        is refused on any stream: checked and taken in under the lock _drop holds."""
         deadline = time.monotonic() + self.cfg.busy_timeout_s
         with self._posted:
+            self._withdrawn.check(tag, message, peer)
             while tag not in self._inboxes:
                 left = deadline - time.monotonic()
                 if self.closed:
@@ -290,6 +288,8 @@ class HostEndpoint(Endpoint):
                                         f"within {self.cfg.busy_timeout_s:g} s (LinkConfig.busy_timeout_s); "
                                         f"message refused")
                 self._posted.wait(left)
+            self._withdrawn.check(tag, message, peer)
+            self._inboxes[tag].messages.add(message)
             return self._inboxes[tag]
 
     def _chunk(self, conn, peer, inbox: Inbox, meta: dict) -> None:

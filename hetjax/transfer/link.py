@@ -104,7 +104,9 @@ def retry(attempt, timeout_s: float, pause_s: float, fail, stop=None):
         try:
             return attempt()
         except OSError as e:
-            if time.monotonic() > deadline or (stop is not None and stop()):
+            if stop is not None and stop():  # not the peer's doing
+                raise TransferError(f"this endpoint was closed while it connected ({e})") from None
+            if time.monotonic() > deadline:
                 raise fail(e) from None
             time.sleep(pause_s)
 
