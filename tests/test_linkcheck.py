@@ -19,7 +19,7 @@ CONFIG = """
 from hetjax.config import Config, HeteroConfig, IslandConfig, MeshConfig, ModelConfig
 
 def get_config():
-    return Config(model=ModelConfig(num_layers=2), batch_size=48, seq_len=16, run_dir={run_dir!r},
+    return Config(model=ModelConfig(num_layers=2, embed_dim=96), batch_size=48, seq_len=16, run_dir={run_dir!r},
                   hetero=HeteroConfig(islands=(
                       IslandConfig(name="a", num_processes=2, devices_per_process=2, mesh=MeshConfig(fsdp=4)),
                       IslandConfig(name="b", platform="rocm", num_processes=1, devices_per_process=3,
@@ -51,7 +51,7 @@ THREE = """
 from hetjax.config import Config, HeteroConfig, IslandConfig, MeshConfig, ModelConfig
 
 def get_config():
-    return Config(model=ModelConfig(num_layers=3), batch_size=24, seq_len=16, run_dir={run_dir!r},
+    return Config(model=ModelConfig(num_layers=3, embed_dim=96), batch_size=24, seq_len=16, run_dir={run_dir!r},
                   hetero=HeteroConfig(islands=tuple(
                       IslandConfig(name=n, devices_per_process=d, mesh=MeshConfig(fsdp=d))
                       for n, d in (("a", 2), ("b", 1), ("c", 3))), timeout_s=30.0))
