@@ -48,9 +48,6 @@ class File:
         self.data_start = 8 + n
 
     def get(self, name: str) -> np.ndarray:
-        if name not in self.header:  # the index's weight_map names another file
-            raise ConvertError(f"{self.path} holds no tensor {name}, which {INDEX} places there; "
-                               f"download the checkpoint again")
         info = self.header[name]
         if info["dtype"] not in DTYPES:
             raise ConvertError(f"{self.path}: tensor {name} has dtype {info['dtype']}, which hetjax cannot read")
@@ -72,6 +69,10 @@ def open_dir(directory: Path) -> dict[str, File]:
     if (directory / INDEX).exists():
         weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
         files = {f: File(directory / f) for f in sorted(set(weight_map.values()))}
+        for name, f in weight_map.items():  # before anything is read
+            if name not in files[f].header:
+                raise ConvertError(f"{files[f].path} holds no tensor {name}, which {INDEX} places there; "
+                                   f"download the checkpoint again")
         return {name: files[f] for name, f in weight_map.items()}
     paths = sorted(directory.glob("*.safetensors"))
     if len(paths) != 1:

@@ -297,3 +297,27 @@ def test_bad_hf_configs_and_files_are_refused_with_their_field_not_a_traceback(t
         assert said in capsys.readouterr().err
     assert convert.main(["export", str(tmp_path / "x"), str(tmp_path / "o4"), "--max_shard_gb", "nan"]) == 2
     assert "--max_shard_gb=nan: give the largest shard in GB" in capsys.readouterr().err
+
+
+def test_a_tied_checkpoint_storing_its_head_too_and_an_index_naming_the_wrong_shard(tmp_path, capsys):
+    """A tied Qwen2 checkpoint that also stores lm_head.weight (transformers loads it) was
+    refused as "tensors ['lm_head.weight'] have no place"; an index whose weight_map names
+    the wrong shard was a KeyError's traceback."""
+    from safetensors.numpy import load_file, save_file
+    hf_model("qwen2", tmp_path / "hf")
+    weights = next((tmp_path / "hf").glob("*.safetensors"))
+    tensors = load_file(weights)
+    embed = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": embed.copy()}, weights)
+    assert convert.main(["import", str(tmp_path / "hf"), str(tmp_path / "o1")]) == 0
+    save_file({**tensors, "lm_head.weight": embed + 1}, weights)
+    assert convert.main(["import", str(tmp_path / "hf"), str(tmp_path / "o2")]) == 2
+    assert "tie_word_embeddings=True, but lm_head.weight is not the embedding" in capsys.readouterr().err
+    hf_model("llama", tmp_path / "sharded")
+    index_file = tmp_path / "sharded" / safetensors_io.INDEX
+    index = json.loads(index_file.read_text())
+    name = next(n for n in index["weight_map"] if n.endswith("up_proj.weight"))
+    index["weight_map"][name] = next(f for f in set(index["weight_map"].values()) if f != index["weight_map"][name])
+    index_file.write_text(json.dumps(index))
+    assert convert.main(["import", str(tmp_path / "sharded"), str(tmp_path / "o3")]) == 2
+    assert f"holds no tensor {name}, which {safetensors_io.INDEX} places there" in capsys.readouterr().err
