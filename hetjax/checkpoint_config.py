@@ -39,8 +39,13 @@ def default_dir(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
 
 
+def step_folders(directory: Path) -> list[int]:
+    """The steps of `directory`'s step folders (named by their number), in order."""
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
 def island_folders(directory: Path) -> list[str]:
     """The folders of `directory` that hold an island's checkpoint steps (an islands job's
     checkpoint directory has one per island), by name."""
     return sorted(p.name for p in directory.iterdir() if p.is_dir() and p.name != CORRUPT_DIR and not p.name.isdigit()
-                  and any(q.is_dir() and q.name.isdigit() for q in p.iterdir()))
+                  and step_folders(p))

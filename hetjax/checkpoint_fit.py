@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from hetjax.checkpoint_config import default_dir, island_folders
+from hetjax.checkpoint_config import default_dir, island_folders, step_folders
 from hetjax.errors import ConfigError, CorruptCheckpoint
 from hetjax.repro.digest import json_checksum, leaf_checksums, path_name
 
@@ -200,7 +200,7 @@ def _held_steps(directory: Path) -> list[int]:
     if not directory.is_dir():
         return []
     folders = [directory / name for name in island_folders(directory)]
-    return sorted({int(p.name) for d in [directory, *folders] for p in d.iterdir() if p.is_dir() and p.name.isdigit()})
+    return sorted({s for d in [directory, *folders] for s in step_folders(d)})
 
 
 def check_resume(cfg, log=print) -> list[int]:
@@ -239,7 +239,7 @@ def check_layout_kind(cfg) -> None:
     d = default_dir(cfg)
     if not d.is_dir():
         return
-    steps = sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
+    steps = step_folders(d)
     folders = island_folders(d)
     ours = [i.name for i in cfg.hetero.islands]
     if not ours and folders:

@@ -53,11 +53,16 @@ class Splits(NamedTuple):
     mlp: int = 1  # SwiGLU's hidden units
 
 
+def _dim_splits(logical, rules, sizes) -> list[int]:
+    """How many ways each dimension of an array with these logical axes is split, by
+    `rules` on a mesh of `sizes` (mesh axis -> size): a mesh axis splits the first that names it."""
+    return [sharding.shards(axes, sizes) for axes in sharding.spec_for(logical, rules)]
+
+
 def activation_splits(rules, sizes) -> Splits:
-    """Splits of the activations as the model constrains them (models/llama.py), by
-    `rules` on a mesh of `sizes` (mesh axis -> size)."""
+    """Splits of the activations as the model constrains them (models/llama.py)."""
     def past_tokens(*logical) -> int:
-        return math.prod(sharding.shards(axes, sizes) for axes in sharding.spec_for(("batch", "length", *logical), rules)[2:])
+        return math.prod(_dim_splits(("batch", "length", *logical), rules, sizes)[2:])
     return Splits(embed=past_tokens("embed"), heads=past_tokens("heads", "head_dim"),
                   kv=past_tokens("kv_heads", "head_dim"), mlp=past_tokens("mlp"))
 
@@ -122,10 +127,7 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
     # A mesh axis splits one dimension of an activation, the first that names it
     # (sharding.spec_for): with length on tensor, the heads are not split by it too.
     table = dict(cfg.sharding.rules)
-
-    def splits(*logical) -> list[int]:
-        return [sharding.shards(axes, mesh.shape) for axes in sharding.spec_for(logical, cfg.sharding.rules)]
-    rows, positions = splits("batch", "length")
+    rows, positions = _dim_splits(("batch", "length"), cfg.sharding.rules, mesh.shape)
     batch_shards = rows * positions  # rows x positions of a device's tokens
     split = activation_splits(cfg.sharding.rules, mesh.shape)
     per_token_layer = _activation_bytes_per_layer_token(cfg, split, cfg.model.remat)
@@ -134,7 +136,7 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
     # consumes it, with the gradients of its attention logits and probabilities beside
     # them, plus the output's fp32 logits and their gradient.
     working = _activation_bytes_per_layer_token(cfg, split, "none") + _attention_scores(cfg, split)
-    logits = 2 * 4 * m.vocab_size / splits("batch", "length", "vocab")[2]
+    logits = 2 * 4 * m.vocab_size / _dim_splits(("batch", "length", "vocab"), cfg.sharding.rules, mesh.shape)[2]
     stages = mesh.shape["pipeline"]
     if stages > 1:
         # hetjax.pipeline.spmd: a stage stashes the input of each micro-batch in flight and

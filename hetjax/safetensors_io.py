@@ -40,10 +40,10 @@ class File:
                                    f"download it again")
             try:
                 self.header = json.loads(f.read(n))
-                assert isinstance(self.header, dict)
-            except (ValueError, AssertionError):
-                raise ConvertError(f"{self.path}: its safetensors header is not a JSON object; download it "
-                                   f"again") from None
+            except ValueError:
+                self.header = None
+            if not isinstance(self.header, dict):
+                raise ConvertError(f"{self.path}: its safetensors header is not a JSON object; download it again")
         self.header.pop("__metadata__", None)
         self.data_start = 8 + n
 

@@ -31,6 +31,15 @@ def tiny_params_by_hand(layers: int) -> int:
     return layers * per_layer + 2 * 256 * 64 + 64  # embedding, output head, final norm
 
 
+def estimate_and_peak(cfg, devices=None):
+    """(the memory estimate, XLA's peak bytes per device, the mesh) of cfg's compiled step."""
+    from hetjax.compile import aot
+    config_lib.validate(cfg)
+    mesh = make_mesh(cfg.mesh, devices)
+    prog = program.build(cfg, mesh)
+    return memory.estimate(cfg, prog.layouts, mesh), aot.analysis(prog.compile_train_step())["peak_bytes"], mesh
+
+
 # -- a pipeline's padding layers are not the model's --------------------------------------
 
 
@@ -195,16 +204,11 @@ def test_an_fsdp_estimate_counts_the_gathered_weights_and_the_accumulated_gradie
     embedding and the head whole, and a layer at a time, and gradient accumulation keeps a
     sum beside each micro-step's gradients. Before, the estimate was 0.46 (0.34 with
     accumulation) of XLA's peak, and the memory check let through what could not fit."""
-    from hetjax.compile import aot
     cfg = dataclasses.replace(tiny(num_layers=4, embed_dim=512, mlp_dim=2048, num_heads=8, num_kv_heads=4,
                                    head_dim=64, vocab_size=32000), batch_size=8 * accum, seq_len=16,
                               optim=dataclasses.replace(config_lib.load("tiny").optim, grad_accum_steps=accum))
-    config_lib.validate(cfg)
-    mesh = make_mesh(cfg.mesh)
+    est, peak, mesh = estimate_and_peak(cfg)
     assert mesh.shape["fsdp"] == 8
-    prog = program.build(cfg, mesh)
-    est = memory.estimate(cfg, prog.layouts, mesh)
-    peak = aot.analysis(prog.compile_train_step())["peak_bytes"]
     assert est.total == pytest.approx(peak, rel=0.2), (est, peak)
 
 
@@ -213,17 +217,12 @@ def test_an_activation_estimate_splits_each_mesh_axis_once_as_the_model_does():
     first dimension that names it, so heads and mlp activations are not split by tensor
     again. The estimate divided them by it twice: 0.53 of XLA's peak, and the memory check
     let through what could not fit."""
-    from hetjax.compile import aot
     from hetjax.sharding import DEFAULT_RULES
     cfg = dataclasses.replace(tiny(num_layers=4, embed_dim=256, mlp_dim=1024, num_heads=8, num_kv_heads=4,
                                    head_dim=32, vocab_size=1024), batch_size=8, seq_len=256, mesh=MeshConfig(fsdp=2, tensor=2))
     cfg = dataclasses.replace(cfg, sharding=dataclasses.replace(
         cfg.sharding, rules=tuple((k, "tensor" if k == "length" else v) for k, v in DEFAULT_RULES)))
-    config_lib.validate(cfg)
-    mesh = make_mesh(cfg.mesh, jax.devices()[:4])
-    prog = program.build(cfg, mesh)
-    est = memory.estimate(cfg, prog.layouts, mesh)
-    peak = aot.analysis(prog.compile_train_step())["peak_bytes"]
+    est, peak, _ = estimate_and_peak(cfg, jax.devices()[:4])
     assert est.total == pytest.approx(peak, rel=0.2), (est, peak)
 
 
@@ -350,17 +349,12 @@ def test_plot_flags_the_first_row_of_every_run_a_file_holds(tmp_path):
 def test_the_activation_estimate_splits_the_batch_as_the_rules_do():
     """With `batch` mapped to data only, the estimate still divided the activations by
     data x fsdp: 0.27 of XLA's peak, and check_fits would let through what cannot fit."""
-    from hetjax.compile import aot
     rules = tuple(("batch", "data") if k == "batch" else (k, v) for k, v in config_lib.DEFAULT_RULES)
     cfg = dataclasses.replace(tiny(num_layers=4, embed_dim=256, mlp_dim=1024, num_heads=8, num_kv_heads=8,
                                    head_dim=32, vocab_size=1024), batch_size=16, seq_len=256,
                               mesh=MeshConfig(data=2, fsdp=4),
                               sharding=dataclasses.replace(config_lib.load("tiny").sharding, rules=rules))
-    config_lib.validate(cfg)
-    mesh = make_mesh(cfg.mesh)
-    prog = program.build(cfg, mesh)
-    est = memory.estimate(cfg, prog.layouts, mesh)
-    peak = aot.analysis(prog.compile_train_step())["peak_bytes"]
+    est, peak, _ = estimate_and_peak(cfg)
     assert est.total == pytest.approx(peak, rel=0.2), (est, peak)
 
 
@@ -369,16 +363,11 @@ def test_each_kind_of_activation_splits_as_its_own_rule_says(unsplit):
     """With `mlp` (or the heads) mapped to no mesh axis while the others go to tensor,
     the estimate still split them by tensor: 0.53 of XLA's peak with mlp unsplit (the
     memory check let through what could not fit), 1.3x with the heads unsplit."""
-    from hetjax.compile import aot
     rules = tuple((k, None if k in unsplit else v) for k, v in config_lib.DEFAULT_RULES)
     cfg = dataclasses.replace(tiny(num_layers=4, embed_dim=512, mlp_dim=1792, num_heads=8, num_kv_heads=8,
                                    head_dim=64, vocab_size=8192), batch_size=16, seq_len=256,
                               mesh=MeshConfig(fsdp=2, tensor=4),
                               sharding=dataclasses.replace(config_lib.load("tiny").sharding, rules=rules,
                                                            max_replicated_fraction=1.0))
-    config_lib.validate(cfg)
-    mesh = make_mesh(cfg.mesh)
-    prog = program.build(cfg, mesh)
-    est = memory.estimate(cfg, prog.layouts, mesh)
-    peak = aot.analysis(prog.compile_train_step())["peak_bytes"]
+    est, peak, _ = estimate_and_peak(cfg)
     assert est.total == pytest.approx(peak, rel=0.25), (est, peak)

@@ -261,11 +261,11 @@ def _check_mixture_files(entries) -> None:
                                   f"be trained on by the other; give each file to one entry (narrow the "
                                   f"path of one so that it leaves the file out)")
         if source == "array_record":
-            for s in sources.prepared_inputs(path):
-                theirs = prepared.setdefault((s["bytes"], s["sha256"]), (name, path))
+            for key, file in sources.prepared_contents(path).items():
+                theirs = prepared.setdefault(key, (name, path))
                 if theirs[0] != name:
                     raise ConfigError(f"config.data.mixture entries {theirs[0]!r} and {name!r} both hold "
-                                      f"{s.get('path', 'a file')}: {theirs[1]} and {path} were both prepared "
+                                      f"{file}: {theirs[1]} and {path} were both prepared "
                                       f"from it, so the eval documents of one would be trained on by the "
                                       f"other; give its documents to one entry")
     # A file and a directory prepared from it, in two entries: matched by size, then by content
@@ -284,9 +284,9 @@ def _check_held_out(source: str, path: str, eval_path: str) -> None:
     """Refuses eval files that the training files include (a glob over a folder that holds both)."""
     if source == "array_record":
         train, held = {Path(path).resolve()}, {Path(eval_path).resolve()}
-        # Two directories prepared from one file (matched by content: paths may be relative).
-        inputs = {(s["bytes"], s["sha256"]): s.get("path", "?") for s in sources.prepared_inputs(path)}
-        shared = [inputs[k] for s in sources.prepared_inputs(eval_path) if (k := (s["bytes"], s["sha256"])) in inputs]
+        # Two directories prepared from one file (matched by content).
+        inputs = sources.prepared_contents(path)
+        shared = [inputs[k] for k in sources.prepared_contents(eval_path) if k in inputs]
         if shared and not train & held:
             raise ConfigError(f"config.data.eval_path={eval_path!r} and config.data.path={path!r} were both "
                               f"prepared from {', '.join(map(str, shared[:3]))}{' ...' if len(shared) > 3 else ''}: "
@@ -317,11 +317,11 @@ def _split(source, fraction: float, seed: int, mixture: bool = False):
     held = np.random.default_rng([seed, 0xE7A1]).random(len(source)) < fraction
     if not held.any():
         held[np.random.default_rng([seed, 0xE7A1]).integers(len(source))] = True
-    if held.all() and len(source) == 1:  # at least one is held out, whatever the fraction
+    if held.all() and len(source) == 1:  # (at least one is held out, whatever the fraction)
         raise ConfigError(f"config.data.eval_fraction={fraction}: the data{' (a mixture entry)' if mixture else ''} "
                           f"holds a single document, held out for eval whatever the fraction; split it into several"
                           + ("" if mixture else ", or give the eval documents as config.data.eval_path"))
-    if held.all():
+    elif held.all():
         raise ConfigError(f"config.data.eval_fraction={fraction}: nothing is left to train on; "
                           f"lower it" + ("" if mixture else " or set config.data.eval_path"))
     ids = np.arange(len(source))

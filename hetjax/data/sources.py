@@ -258,14 +258,16 @@ def _save_atomic(path: Path, arrays: dict) -> None:
               f"config.data.index_dir to a writable directory to keep it", flush=True)
 
 
-def prepared_inputs(directory: str) -> list[dict]:
-    """The inputs a prepared directory was made from, as meta.json records them (path,
-    bytes, sha256); [] for a manifest without them (ArrayRecordSource names a bad one)."""
+def prepared_contents(directory: str) -> dict[tuple[int, str], str]:
+    """The inputs a prepared directory was made from, by content as meta.json records them:
+    (bytes, sha256) -> path (relative to where prepare ran, so matched by bytes); {} for a
+    manifest without them (ArrayRecordSource names a bad one)."""
     try:
-        return [s for s in json.loads((Path(directory) / "meta.json").read_text()).get("sources", [])
-                if isinstance(s, dict) and {"bytes", "sha256"} <= s.keys()]
+        return {(s["bytes"], s["sha256"]): s.get("path", "?")
+                for s in json.loads((Path(directory) / "meta.json").read_text()).get("sources", [])
+                if isinstance(s, dict) and {"bytes", "sha256"} <= s.keys()}
     except (OSError, ValueError, AttributeError):
-        return []
+        return {}
 
 
 def sha256(path: str) -> str:

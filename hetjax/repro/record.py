@@ -26,6 +26,7 @@ import jax
 
 from hetjax import metrics
 from hetjax.config import to_dict
+from hetjax.errors import ConfigError
 from hetjax.repro import digest as fp
 
 FILE = "fingerprints.jsonl"
@@ -119,7 +120,6 @@ def read(run_dir: str | Path) -> tuple[list[dict], dict[int, dict], dict[int, di
     """(headers, step rows by step, params rows by step) of a run directory."""
     path = Path(run_dir) / FILE
     if not path.is_file():
-        from hetjax.errors import ConfigError
         raise ConfigError(f"{run_dir}: no {FILE} here; give the run_dir of a hetjax.train run "
                           f"(runs write it since config.fingerprint_every was added)")
     headers, steps, params = [], {}, {}
@@ -130,7 +130,6 @@ def read(run_dir: str | Path) -> tuple[list[dict], dict[int, dict], dict[int, di
         except json.JSONDecodeError:
             if number == len(lines):
                 continue  # a torn last line of a killed run
-            from hetjax.errors import ConfigError
             raise ConfigError(f"{path}:{number}: not a JSON line; the file is damaged (only a killed run's last "
                               f"line may be torn)") from None
         if row.get("kind") == "header":
