@@ -57,7 +57,7 @@ def one_island_overrides(cfg) -> dict[str, str]:
     stage_layers = placement.island_layers(cfg) if cfg.pipeline.virtual_stages == 1 else ()
     return {"hetero.islands": "()", "mesh.pipeline": str(len(islands)), "mesh.data": str(m.data),
             "mesh.fsdp": str(m.fsdp), "mesh.tensor": str(m.tensor),
-            "pipeline.stage_layers": str(stage_layers)}
+            "pipeline.stage_layers": str(stage_layers), "pipeline.split_backward": "False"}
 
 
 def main(argv: list[str]) -> int:
@@ -90,7 +90,10 @@ def main(argv: list[str]) -> int:
         print("backwards: the islands " + ("recompute their forwards, as the one island's SPMD pipeline does"
               if cfg.pipeline.recompute else "keep their forwards' residuals (config.pipeline.recompute=False), "
               "where the one island's SPMD pipeline recomputes them: less arithmetic on the islands' side; "
-              "--config.pipeline.recompute=True compares like with like"), flush=True)
+              "--config.pipeline.recompute=True compares like with like")
+              + ("; the islands split each backward into its input- and weight-gradient parts "
+                 "(config.pipeline.split_backward), the one island cannot" if cfg.pipeline.split_backward else ""),
+              flush=True)
     print(f"cores: one island uses {len(cores)} ({','.join(map(str, cores))}); "
           + (f"the islands' processes get {' and '.join(','.join(map(str, s)) for s in shares)}" if shares
              else "the islands' processes share them all"), flush=True)

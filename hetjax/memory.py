@@ -151,6 +151,11 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
         layer_activations = tokens * per_token_layer / (stages * p.virtual_stages)  # a stage's chunk holds 1/(S V) of them
     else:
         tokens = math.ceil(cfg.batch_size / cfg.optim.grad_accum_steps / batch_shards) * cfg.seq_len
+        if cfg.pipeline.split_backward and cfg.hetero.islands:
+            # An island's split backward (hetjax.pipeline.split) runs its layers written out,
+            # remat aside, and holds a micro-batch's weight-gradient inputs and output gradients
+            # between its two parts: at most twice what a layer keeps without remat.
+            per_token_layer = 2 * _activation_bytes_per_layer_token(cfg, split, "none")
         activations = tokens * (m.num_layers * per_token_layer + working + logits)
         layer_activations = tokens * per_token_layer
     accumulated = params if cfg.optim.grad_accum_steps > 1 else 0  # the micro-steps' sum beside each one's

@@ -81,6 +81,9 @@ def test_pipeline_islands_train_like_one_island(tmp_path):
     # The first island keeps its forwards' residuals by default; recomputing them trains the same.
     recomputed, _ = losses(tmp_path, config, "recomputed", "--config.pipeline.recompute=True")
     assert_close(recomputed, one)
+    # Backwards split into their input- and weight-gradient parts (zero-bubble style): the same.
+    split, _ = losses(tmp_path, config, "split", "--config.pipeline.split_backward=True")
+    assert_close(split, one)
 
 
 DATA_CASES = {

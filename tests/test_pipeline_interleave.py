@@ -45,6 +45,10 @@ def test_interleaved_islands_train_like_one_island_and_checkpoint_to_its_layout_
     one, one_dir = run(tmp_path, "tiny.py", "one", *ONE)
     assert sorted(islands) == sorted(one) == list(range(STEPS))
     np.testing.assert_allclose([islands[s] for s in range(STEPS)], [one[s] for s in range(STEPS)], rtol=1e-5)
+    # Each chunk's backward split in two (and recomputing its forward) trains the same.
+    split, _ = run(tmp_path, config, "split", "--config.pipeline.split_backward=True",
+                   "--config.pipeline.recompute=True")
+    np.testing.assert_allclose([split[s] for s in range(STEPS)], [one[s] for s in range(STEPS)], rtol=1e-5)
 
     # Island a holds model layers 0 and 2, island b 1 and 3 (chunks of one layer each).
     assert [island_lib.chunks_of(cfg, k, None) for k in range(2)] == [((0, 1), (2, 3)), ((1, 2), (3, 4))]

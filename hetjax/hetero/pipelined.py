@@ -26,7 +26,8 @@ from hetjax import sharding
 from hetjax.compile import aot
 from hetjax.hetero import island as island_lib
 from hetjax.hetero.update import add_in_order, make_apply, sum_of_squares
-from hetjax.pipeline.schedule import forward_only, make_schedule
+from hetjax.pipeline.schedule import forward_only, make_schedule, split_orders
+from hetjax.pipeline.split import Split
 from hetjax.pipeline.stages import (Residuals, add_chunk, chunk_of, stage_backward, stage_backward_kept,
                                     stage_forward, stage_forward_keeping)
 from hetjax.step import split_micro
@@ -40,7 +41,9 @@ class PipelineStage:
         cfg, k, n = island.cfg, island.index, island.count
         self.M, V = cfg.pipeline.microbatches, cfg.pipeline.virtual_stages
         self.V, self.J = V, n * V  # chunks per island, virtual stages
-        self.ops = make_schedule(cfg.pipeline.schedule, n, self.M, V).ops(k)
+        schedule = make_schedule(cfg.pipeline.schedule, n, self.M, V)
+        self.split = cfg.pipeline.split_backward
+        self.ops = split_orders(schedule)[k] if self.split else schedule.ops(k)
         table, chunks = forward_only(n, self.M, V)
         self.eval_ops = [("F", int(m), int(v)) for m, v in zip(table[:, k], chunks[:, k]) if m >= 0]
         self.tied = cfg.model.tie_embeddings
@@ -84,12 +87,14 @@ class PipelineStage:
             # micro-batch index, stage input[, its output gradient]).
             x_like, dy_like = (None if first else self.act_like), (None if last else self.act_like)
             suffix = "" if V == 1 else str(v)
+            if self.split:
+                return split_programs(v, first, last, mine, accumulate, fwd, x_like, dy_like, suffix)
             if not self.keeps[v]:
                 return (island.compile(fwd, P, B, index, x_like, out_shardings=replicated if last else act,
                                        name=f"fwd{suffix}"),
                         island.compile(bwd, P, P, scalar, B, index, x_like, dy_like, donate_argnums=(1, 2),
                                        out_shardings=(params_sh, None if first else act, replicated),
-                                       name=f"bwd{suffix}"))
+                                       name=f"bwd{suffix}"), None)
             residuals = Residuals()
 
             def fwd_keeping(params, batch, m, x):
@@ -107,14 +112,67 @@ class PipelineStage:
             return (island.program(forward, f"fwd{suffix}"),
                     # Only the accumulator is donated: no output has a residual's shape.
                     island.compile(bwd_kept, P, P, kept_like, x_like, dy_like, donate_argnums=1,
-                                   out_shardings=(params_sh, None if first else act), name=f"bwd{suffix}"))
+                                   out_shardings=(params_sh, None if first else act), name=f"bwd{suffix}"), None)
+
+        def split_programs(v, first, last, mine, accumulate, fwd_plain, x_like, dy_like, suffix):
+            """Chunk v's forward, input-gradient (B) and weight-gradient (W) programs
+            (config.pipeline.split_backward). B returns what W reads: each mixing equation's
+            activation inputs and output gradients (hetjax.pipeline.split)."""
+            made = []
+
+            def split(params, x, micro):  # built in the first program traced, then reused
+                if not made:
+                    made.append(Split(lambda p, x, b: stage_forward(graphdef, p, x, b, first=first, last=last),
+                                      params, x, micro))
+                return made[0]
+
+            def split_forward(params, batch, m, x):
+                p, micro = mine(params), pick(batch, m)
+                return split(p, x, micro).forward(p, x, micro)
+
+            def fwd_keeping(params, batch, m, x):  # the residuals of B and the inputs of W
+                with sharding.logical_rules(mesh, rules):
+                    y, vjp, acts = split_forward(params, batch, m, x)
+                    return y, residuals.split(vjp, (mine(params), x)), acts
+
+            def bwd_kept(params, kept, x, dy):
+                with sharding.logical_rules(mesh, rules):
+                    return Split.input_grads(residuals.join(kept, (mine(params), x)), dy)
+
+            def bwd_again(params, loss, batch, m, x, dy):  # the forward again: recompute, or the last stage
+                with sharding.logical_rules(mesh, rules):
+                    y, vjp, acts = split_forward(params, batch, m, x)
+                    dx, dys = Split.input_grads(vjp, jnp.ones_like(y) if last else dy)
+                    return (None if first else dx), acts, dys, (loss + y if last else loss)
+
+            def wgt(params, acc, acts, dys):
+                with sharding.logical_rules(mesh, rules):
+                    return accumulate(acc, made[0].weight_grads(mine(params), acts, dys))
+
+            residuals = Residuals()
+            if self.keeps[v]:
+                forward = island.compiled(fwd_keeping, P, B, index, x_like, out_shardings=(act, None, None))
+                kept_like, acts_like = forward.out_info[1:]
+                backward = island.compiled(bwd_kept, P, kept_like, x_like, dy_like,
+                                           out_shardings=(None if first else act, None))
+                dys_like = backward.out_info[1]
+                forward = island.program(forward, f"fwd{suffix}")
+            else:
+                forward = island.compile(fwd_plain, P, B, index, x_like, out_shardings=replicated if last else act,
+                                         name=f"fwd{suffix}")
+                backward = island.compiled(bwd_again, P, scalar, B, index, x_like, dy_like, donate_argnums=1,
+                                           out_shardings=(None if first else act, None, None, replicated))
+                acts_like, dys_like = backward.out_info[1:3]
+            weight = island.compile(wgt, P, P, acts_like, dys_like, donate_argnums=1, out_shardings=params_sh,
+                                    name=f"wgt{suffix}")
+            return forward, island.program(backward, f"bwd{suffix}"), weight
 
         P = aot.abstract(island.abstract.params, params_sh)
         B, index, scalar = island.abstract_batch(), island.like((), jnp.int32), island.like((), jnp.float32)
         self.index = [island.put(np.int32(m)) for m in range(self.M)]
         # Which chunks' forwards return (activation, residuals) and backwards take them.
         self.keeps = [not cfg.pipeline.recompute and self.virtual(v) < self.J - 1 for v in range(V)]
-        self.fwd, self.bwd = zip(*[programs(v) for v in range(V)])
+        self.fwd, self.bwd, self.wgt = zip(*[programs(v) for v in range(V)])
         self.zeros = island.compile(lambda p: (jax.tree.map(jnp.zeros_like, p), jnp.zeros((), jnp.float32)),
                                     P, out_shardings=(params_sh, replicated), name="zeros")
         self.count = island.compile(lambda b: jnp.sum(b["loss_mask"].astype(jnp.float32)), B,
@@ -163,9 +221,13 @@ class PipelineStage:
                    for op, m, v in ops if op == "B" and (j := self.virtual(v)) < J - 1}
         acc, loss = self.zeros(params) if train else (None, jnp.zeros((), jnp.float32))
         stash, sends = {}, []
+        weight_inputs = {}  # (m, v) -> what a split backward's W reads
         for op, m, v in ops:
             mm, j = self.index[m], self.virtual(v)
             label = f"{op}{m}" + ("" if self.V == 1 else f".{v}")
+            if op == "W":
+                acc = self.wgt[v](params, acc, *weight_inputs.pop((m, v)), label=label)
+                continue
             if op == "F":
                 x = links.wait(recv_x.pop((m, v)), self._peer(j - 1)) if j > 0 else None
                 if j == J - 1 and train:
@@ -173,9 +235,9 @@ class PipelineStage:
                     continue  # the last stage's backward computes its forward and the loss
                 y = self.fwd[v](params, batch, mm, x, label=label)
                 if self.keeps[v]:
-                    y, kept = y  # an eval, which has no backward, drops them at its next operation
+                    y, *kept = y  # an eval, which has no backward, drops them at its next operation
                 if train:  # what the backward reads: the residuals and input, or the input alone
-                    stash[m, v] = (kept, x) if self.keeps[v] else x
+                    stash[m, v] = (kept[0], x, *kept[1:]) if self.keeps[v] else x
                 if j == J - 1:
                     loss = loss + y
                 else:
@@ -183,7 +245,14 @@ class PipelineStage:
                     sends.append((nxt, links.send(nxt, y, self._tag(what, "x", m, j + 1), layout[nxt])))
             else:
                 dy = None if j == J - 1 else links.wait(recv_dy.pop((m, v)), self._peer(j + 1))
-                if self.keeps[v]:
+                if self.split and self.keeps[v]:  # B alone; W (below) runs later
+                    kept, x, acts = stash.pop((m, v))
+                    dx, dys = self.bwd[v](params, kept, x, dy, label=label)
+                    weight_inputs[m, v] = acts, dys
+                elif self.split:
+                    dx, *weight_inputs[m, v], loss = self.bwd[v](params, loss, batch, mm, stash.pop((m, v)), dy,
+                                                                 label=label)
+                elif self.keeps[v]:
                     acc, dx = self.bwd[v](params, acc, *stash.pop((m, v)), dy, label=label)
                 else:
                     acc, dx, loss = self.bwd[v](params, acc, loss, batch, mm, stash.pop((m, v)), dy, label=label)

@@ -1,7 +1,9 @@
 """Prints schedules' timelines: `python -m hetjax.pipeline --stages 4 --microbatches 8
-[--schedule 1f1b] [--virtual-stages 2] [--png timeline.png]`; without --schedule, every
-schedule, and the interleaved ones with --virtual-stages (default 2) chunks per stage,
-these also in the order each island runs them (the cross-island pipeline's schedule)."""
+[--schedule 1f1b] [--virtual-stages 2] [--split-backward] [--png timeline.png]`; without
+--schedule, every schedule, and the interleaved ones with --virtual-stages (default 2) chunks
+per stage, these also in the order each island runs them (the cross-island pipeline's
+schedule); --split-backward: every schedule in each island's order with its backwards split
+into input- and weight-gradient parts (config.pipeline.split_backward), beside the unsplit one."""
 
 import os
 import sys
@@ -25,6 +27,8 @@ def main(argv=None) -> int:
     parser.add_argument("--schedule", choices=KINDS, help="one schedule (default: every one)")
     parser.add_argument("--virtual-stages", type=int, help="chunks of layers per stage (default: 1 with "
                         "--schedule, else 2 for the interleaved variants)")
+    parser.add_argument("--split-backward", action="store_true",
+                        help="also each island's order with split backwards (config.pipeline.split_backward)")
     parser.add_argument("--png", help="also write a Gantt chart to this file (matplotlib)")
     return cli.run_main(lambda: draw(parser.parse_args(argv)))
 
@@ -47,8 +51,10 @@ def draw(args) -> int:
         cli.need("matplotlib", "plot", "--png")
     for schedule in schedules:
         print(timeline(schedule), end="\n\n")
-        if schedule.virtual > 1:
+        if schedule.virtual > 1 or args.split_backward:
             print(island_orders(schedule), end="\n\n")
+        if args.split_backward:
+            print(island_orders(schedule, split=True), end="\n\n")
         if args.png:
             # Several schedules: one file each, named after the schedule.
             stem, ext = os.path.splitext(args.png)

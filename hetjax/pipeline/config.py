@@ -35,6 +35,11 @@ class PipelineConfig:
     # one-program pipeline always recomputes: keeping residuals in its tick loop's carry
     # measured 1.4-1.7x slower (docs/DESIGN.md). The losses are the same.
     recompute: bool = False
+    # Islands (pipeline placement): True splits each backward into its input-gradient part,
+    # which the previous island waits for, and its weight-gradient part, which runs where the
+    # island would otherwise wait (zero-bubble style, ZB-H1: hetjax/pipeline/split.py,
+    # schedule.split_orders). The gradients and losses are the same.
+    split_backward: bool = False
 
 
 def validate_pipeline(cfg, check_batch: bool = True) -> None:
@@ -45,6 +50,11 @@ def validate_pipeline(cfg, check_batch: bool = True) -> None:
         raise ConfigError(f"config.pipeline.schedule={p.schedule!r}: choose one of {PIPELINE_SCHEDULES}")
     if p.microbatches <= 0:
         raise ConfigError(f"config.pipeline.microbatches={p.microbatches}: must be positive")
+    if p.split_backward and not (cfg.hetero.islands and cfg.hetero.placement == "pipeline"):
+        raise ConfigError(
+            "config.pipeline.split_backward=True: only islands with pipeline placement split their backwards "
+            "(each island runs its own order of operations; the one-program pipeline's stages move in lockstep "
+            "ticks, where the weight-gradient parts would not fill the waits); set it False here")
     V = p.virtual_stages
     if not isinstance(V, int) or V < 1:
         raise ConfigError(f"config.pipeline.virtual_stages={V!r}: must be an integer >= 1 (1: no interleaving)")

@@ -147,6 +147,75 @@ class Schedule:
         return float(1.0 - self.microbatches * self.virtual * (forward_cost + backward_cost) / total)
 
 
+def split_orders(schedule: Schedule, pending: int | None = None) -> list[list[tuple[str, int, int]]]:
+    """Each stage's operations when its backwards are split (config.pipeline.split_backward,
+    islands): ("B", m, v) gives the input gradient only, and ("W", m, v), the weight
+    gradient, runs later. The order of every stage's forwards and backwards is `ops`'; a
+    W runs where the stage would otherwise wait for an input (found by running the
+    islands' schedule with unit costs and instant links), at most `pending` (default:
+    the stage count) held at once, the rest at the end. W's run in the order of their
+    backwards, so the gradients add up in the same order as unsplit backwards."""
+    return _islands_run(schedule, True, schedule.stages if pending is None else pending)[0]
+
+
+def island_span(schedule: Schedule, split: bool = False) -> float:
+    """How long islands running `schedule` take for one step, in forwards (a forward, an
+    input-gradient and a weight-gradient part cost 1 each, links are instant): the ideal
+    is 3 x microbatches x virtual; the rest is the bubble."""
+    return _islands_run(schedule, split, schedule.stages)[1]
+
+
+def _islands_run(schedule: Schedule, split: bool, cap: int):
+    """(each stage's operations, the step's length): every island runs its `ops` without
+    lockstep; with `split`, W's are placed as split_orders says."""
+    S, J = schedule.stages, schedule.stages * schedule.virtual
+    base = [schedule.ops(s) for s in range(S)]
+    out = [[] for _ in range(S)]
+    free, at, waiting = [0.0] * S, [0] * S, [[] for _ in range(S)]
+    done = {}  # (op, m, j) -> when it ends
+
+    def ready(s):
+        """When stage s's next operation may start (None: its input's time is not known yet)."""
+        op, m, v = base[s][at[s]]
+        j = v * S + s
+        if op == "F":
+            return 0.0 if j == 0 else done.get(("F", m, j - 1))
+        return done.get(("F", m, j)) if j == J - 1 else done.get(("B", m, j + 1))
+
+    def run(s, op, m, v, start):
+        j = v * S + s
+        # The last virtual stage's forward runs inside its backward; an unsplit backward
+        # holds the weight-gradient part too.
+        cost = (0.0 if (op, j) == ("F", J - 1) else 1.0) + (op == "B") * ((j == J - 1) + (not split))
+        done[op, m, j] = free[s] = start + cost
+        out[s].append((op, m, v))
+
+    while any(at[s] < len(base[s]) or waiting[s] for s in range(S)):
+        for s in sorted((s for s in range(S) if at[s] < len(base[s]) or waiting[s]), key=lambda s: (free[s], s)):
+            if at[s] == len(base[s]):  # only W's left
+                run(s, *waiting[s].pop(0), free[s])
+                break
+            r = ready(s)
+            if r is not None and r <= free[s]:
+                op, m, v = base[s][at[s]]
+                at[s] += 1
+                run(s, op, m, v, free[s])
+                if op == "B" and split:
+                    waiting[s].append(("W", m, v))
+                    if len(waiting[s]) > cap:
+                        run(s, *waiting[s].pop(0), free[s])
+                break
+            if waiting[s]:  # the stage would wait: a weight gradient fills the time
+                run(s, *waiting[s].pop(0), free[s])
+                break
+            if r is not None:
+                free[s] = r
+                break
+        else:
+            raise AssertionError(f"{schedule.name}: no stage can run its next operation")
+    return out, max(free)
+
+
 # How make_schedule's errors name its settings: the config's fields by default; a command
 # passes its own option names.
 CONFIG_NAMES = {"schedule": "config.pipeline.schedule={!r}", "stages": "config.mesh.pipeline={}",
@@ -256,13 +325,20 @@ def timeline(schedule: Schedule) -> str:
     return "\n".join([header, ticks, *rows])
 
 
-def island_orders(schedule: Schedule) -> str:
+def island_orders(schedule: Schedule, split: bool = False) -> str:
     """Each stage's operations in the order an island holding it runs them (`Schedule.ops`:
-    no lockstep ticks, each waits only for its own inputs), one line per island."""
+    no lockstep ticks, each waits only for its own inputs), one line per island; with
+    `split`, backwards split into B and W (split_orders). The header gives the step's
+    length in forwards (island_span)."""
     def name(op, m, v):
         return f"{op}{m}" + (f".{v}" if schedule.virtual > 1 else "")
-    return "\n".join([f"{schedule.name} on islands (each runs its own order, no lockstep):"] + [
-        f"island {s} " + " ".join(name(*op) for op in schedule.ops(s)) for s in range(schedule.stages)])
+    orders = split_orders(schedule) if split else [schedule.ops(s) for s in range(schedule.stages)]
+    ideal = 3 * schedule.microbatches * schedule.virtual
+    span = island_span(schedule, split)
+    how = "backwards split into B (input gradient) and W (weight gradient)" if split else "whole backwards"
+    return "\n".join([f"{schedule.name} on islands, {how} (each runs its own order, no lockstep): "
+                      f"{span:g} forwards a step at unit costs, bubble {1 - ideal / span:.1%}"] + [
+        f"island {s} " + " ".join(name(*op) for op in orders[s]) for s in range(schedule.stages)])
 
 
 def plot(schedule: Schedule, path: str, forward_cost: float = 1.0, backward_cost: float = 2.0) -> None:
