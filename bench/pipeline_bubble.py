@@ -15,12 +15,13 @@ each one's predicted and measured bubble and ideal / measured (1.0 = no overhead
 beyond the schedule's bubble); the last line is the default schedule's unpipelined /
 pipelined step time (one minus its measured bubble).
 
-Before it, the cost of a zero-bubble (ZB-H1) schedule's split backward, as jax.vjp gives
-it: one stage's input-gradient and weight-gradient parts timed apart, each recomputing
-the stage as hetjax's backward does (and the weight part backpropagating through every
-layer of the stage again), against the fused backward, per micro-batch and stage. A
-split that costs more than the bubble it could fill cannot pay; a per-layer split that
-stashes each layer's input and output gradient would cost less, and is not built.
+Before it, the cost of a split backward (config.pipeline.split_backward, the islands'
+zero-bubble-style schedule): one stage's forward that keeps what its two parts read, its
+input-gradient part (B) and its weight-gradient part (W), hetjax.pipeline.split's, against
+the forward that keeps its residuals and the one backward that reads them (the islands'
+unsplit pair), and against jax.vjp's split, in which each part recomputes the stage and the
+weight part backpropagates through every layer again. A split that costs more than the
+bubble it could fill cannot pay.
 """
 
 from __future__ import annotations
@@ -58,13 +59,16 @@ def build(cfg, devices):
 
 
 def split_backward_cost(model, rows: int, seq_len: int, device, repeats: int) -> dict[str, float]:
-    """Median seconds of one middle stage's forward, fused backward (recompute + both
-    gradients) and the two parts a zero-bubble schedule runs apart (each recomputes)."""
+    """Median seconds of one middle stage's programs per micro-batch: the forward; the
+    islands' unsplit pair (a forward keeping its residuals, the backward reading them);
+    hetjax.pipeline.split's forward, B and W; jax.vjp's input and weight parts (each
+    recomputing the stage)."""
     import jax.numpy as jnp
     from flax import nnx
 
     from hetjax import state as state_lib
-    from hetjax.pipeline.stages import stage_forward
+    from hetjax.pipeline.split import Split
+    from hetjax.pipeline.stages import Residuals, stage_backward_kept, stage_forward, stage_forward_keeping
     graphdef, params = nnx.split(state_lib.make_model(model, 0))
     params = jax.device_put(params, device)
     batch = {"positions": jnp.broadcast_to(jnp.arange(seq_len), (rows, seq_len)),
@@ -72,20 +76,34 @@ def split_backward_cost(model, rows: int, seq_len: int, device, repeats: int) ->
     x = jax.device_put(jax.random.normal(jax.random.key(0), (rows, seq_len, model.embed_dim), model.dtype), device)
     dy = jnp.ones_like(x)
 
-    def f(p, x):
-        return stage_forward(graphdef, p, x, batch, first=False, last=False,
-                             unroll=not PipelineConfig().scan_layers)
-    programs = {"forward": jax.jit(lambda p, x, dy: f(p, x)),
-                "fused": jax.jit(lambda p, x, dy: jax.vjp(f, p, x)[1](dy)),
-                "input": jax.jit(lambda p, x, dy: jax.vjp(lambda x: f(p, x), x)[1](dy)),
-                "weight": jax.jit(lambda p, x, dy: jax.vjp(lambda p: f(p, x), p)[1](dy))}
+    def f(p, x, b=batch):  # a stage as islands run it (scanned layers)
+        return stage_forward(graphdef, p, x, b, first=False, last=False)
+    kept, parts, split = Residuals(), Residuals(), Split(f, params, x, batch)
+
+    def split_forward(p, x):
+        y, vjp, acts = split.forward(p, x, batch)
+        return y, parts.split(vjp, (p, x)), acts
+    keep = jax.jit(lambda p, x: stage_forward_keeping(graphdef, p, x, batch, kept, first=False))
+    forward, split_fwd = jax.jit(lambda p, x: f(p, x)), jax.jit(split_forward)
+    kept_bwd = jax.jit(lambda p, x, k, dy: stage_backward_kept(p, x, k, dy, kept))
+    split_b = jax.jit(lambda p, x, k, dy: Split.input_grads(parts.join(k, (p, x)), dy))
+    split_w = jax.jit(split.weight_grads)
+    _, residuals = keep(params, x)
+    _, held, acts = split_fwd(params, x)
+    _, dys = split_b(params, x, held, dy)
+    programs = {"forward": (forward, (params, x)),
+                "keeping forward": (keep, (params, x)), "kept backward": (kept_bwd, (params, x, residuals, dy)),
+                "split forward": (split_fwd, (params, x)), "split B": (split_b, (params, x, held, dy)),
+                "split W": (split_w, (params, acts, dys)),
+                "vjp input": (jax.jit(lambda p, x, dy: jax.vjp(lambda x: f(p, x), x)[1](dy)), (params, x, dy)),
+                "vjp weight": (jax.jit(lambda p, x, dy: jax.vjp(lambda p: f(p, x), p)[1](dy)), (params, x, dy))}
     times = {k: [] for k in programs}
-    for fn in programs.values():
-        jax.block_until_ready(fn(params, x, dy))  # compile
+    for fn, args in programs.values():
+        jax.block_until_ready(fn(*args))  # compile
     for _ in range(repeats):
-        for name, fn in programs.items():
+        for name, (fn, args) in programs.items():
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(params, x, dy))
+            jax.block_until_ready(fn(*args))
             times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -140,12 +158,14 @@ def main(argv=None) -> int:
               f"{ideal / t_pipe:15.3f}")
     cost = split_backward_cost(dataclasses.replace(model, num_layers=model.num_layers // S), args.rows,
                                base.seq_len, devices[0], 3 * args.repeats)
-    F = cost["forward"]
-    split = (cost["forward"] + cost["input"] + cost["weight"]) / (cost["forward"] + cost["fused"])
+    F, unsplit = cost["forward"], cost["keeping forward"] + cost["kept backward"]
+    split = cost["split forward"] + cost["split B"] + cost["split W"]
+    naive = cost["forward"] + cost["vjp input"] + cost["vjp weight"]
     fused_bubble = pipeline.make_schedule("1f1b_fused", S, M).bubble_fraction(1.0, 3.0)
-    print(f"zero-bubble split backward by jax.vjp (one stage, per micro-batch): input-gradient part {cost['input'] / F:.2f} F, "
-          f"weight-gradient part {cost['weight'] / F:.2f} F, fused backward {cost['fused'] / F:.2f} F; forward + "
-          f"split / forward + fused = {split:.3f} (1f1b_fused's predicted bubble, which ZB-H1 would fill: "
+    print(f"split backward (one stage, per micro-batch, in forwards): hetjax.pipeline.split's forward "
+          f"{cost['split forward'] / F:.2f}, B {cost['split B'] / F:.2f}, W {cost['split W'] / F:.2f}; "
+          f"split / unsplit (keeping forward + kept backward, {unsplit / F:.2f}) = {split / unsplit:.3f}; "
+          f"jax.vjp's parts, each recomputing: {naive / unsplit:.3f} (1f1b_fused's predicted bubble: "
           f"{fused_bubble:.1%})")
     t_default = statistics.median(times[default.schedule, default.virtual_stages])
     print(f"default schedule ({default.schedule}, virtual_stages={default.virtual_stages}) unpipelined / "

@@ -14,6 +14,10 @@ A chunk that is not the last virtual stage keeps its forward's residuals for its
 backward (config.pipeline.recompute=False, the default): on islands the first one's
 backward otherwise runs its forward again while the last one's runs it once, fused with
 the loss, and the island that recomputes sets the pace.
+
+With config.pipeline.split_backward a backward runs as two programs: B, the input gradient
+(sent back at once), and W, the weight gradient, which the island's order (schedule.
+split_orders) places where it would otherwise wait; B returns what W reads.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 schedule.py  the schedules as data (which micro-batch each stage runs, per tick)
 stages.py    the stage layout and one stage's forward / backward
+split.py     a stage's backward cut into input- and weight-gradient parts (islands' split backwards)
 spmd.py      the single-program pipeline: shard_map over `pipeline`, ppermute
 __main__.py  `python -m hetjax.pipeline --stages 4 --microbatches 8`: a timeline
 """
