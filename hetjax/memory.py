@@ -153,8 +153,9 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
         tokens = math.ceil(cfg.batch_size / cfg.optim.grad_accum_steps / batch_shards) * cfg.seq_len
         if cfg.pipeline.split_backward and cfg.hetero.islands:
             # An island's split backward (hetjax.pipeline.split) runs its layers written out,
-            # remat aside, and holds a micro-batch's weight-gradient inputs and output gradients
-            # between its two parts: at most twice what a layer keeps without remat.
+            # remat aside, and holds per micro-batch B's residuals and W's inputs from the
+            # forward, W's inputs and output gradients from B: each at most what a layer
+            # keeps without remat, so at most twice that.
             per_token_layer = 2 * _activation_bytes_per_layer_token(cfg, split, "none")
         activations = tokens * (m.num_layers * per_token_layer + working + logits)
         layer_activations = tokens * per_token_layer
@@ -202,10 +203,13 @@ def check_fits(cfg: Config, est: Estimate, mesh) -> None:
     need_devices = math.ceil(est.total * est.devices / budget)
     rows = cfg.batch_size // cfg.optim.grad_accum_steps
     splits = [k for k in range(need_devices, rows + 1) if rows % k == 0]
+    # An island's split backward ignores remat (hetjax.pipeline.split): turning it off is the saving.
+    recompute = ("config.pipeline.split_backward=False, which lets config.model.remat apply"
+                 if cfg.pipeline.split_backward and cfg.hetero.islands else "recompute more (config.model.remat='full')")
     devices_hint = (f"about {splits[0]} devices of this size with the model sharded over config.mesh.fsdp" if splits
                     else f"not even {rows} devices, one row each (the most a batch of config.batch_size={cfg.batch_size}"
                          f" splits over), with the model sharded over config.mesh.fsdp: lower config.seq_len or "
-                         f"the model, or recompute more (config.model.remat='full')")
+                         f"the model, or {recompute}")
     fixed = est.total - cfg.model.num_layers * est.per_layer
     max_layers = int((budget - fixed) // est.per_layer) if est.per_layer else 0
     if mesh.shape["pipeline"] > 1:  # a count the stages (and their chunks) split evenly

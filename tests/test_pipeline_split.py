@@ -15,7 +15,7 @@ from hetjax import state as state_lib
 from hetjax.config import ModelConfig
 from hetjax.pipeline.schedule import make_schedule, split_orders
 from hetjax.pipeline.split import Split
-from hetjax.pipeline.stages import stage_forward
+from hetjax.pipeline.stages import Residuals, stage_forward
 
 ROWS, T = 2, 32
 
@@ -133,17 +133,21 @@ def test_split_orders_fill_the_waits_with_weight_gradients(kind, S, M, V):
         assert [o for o in ops if o[0] != "W"] == schedule.ops(s)
         assert [o[1:] for o in ops if o[0] == "W"] == [o[1:] for o in ops if o[0] == "B"]
         assert all(ops.index(("W", m, v)) > ops.index(("B", m, v)) for _, m, v in ops)
+        # at most S backwards' output gradients wait for their W at once
+        waiting = np.cumsum([{"B": 1, "W": -1}.get(op, 0) for op, _, _ in ops])
+        assert waiting.max() <= S
     whole = _makespan(schedule, [schedule.ops(s) for s in range(S)], split=False)
     split = _makespan(schedule, orders, split=True)
     if kind == "1f1b" and V == 1:
-        # ZB-H1 (Qi et al., 2023) with F = B = W: 1F1B idles (S-1)(F+B+W), ZB-H1 (S-1)(F+B-2W)
+        # ZB-H1 (Qi et al., 2023) with F = B = W: 1F1B idles (S-1)(F+B+W), ZB-H1 (S-1)(F+B-W)
         assert (whole, split) == (3 * M + 3 * (S - 1), 3 * M + (S - 1))
     assert split < whole
 
 
 def test_an_island_s_memory_estimate_bounds_what_its_split_backward_holds():
-    # Between its two parts a split stage holds each micro-batch's weight-gradient inputs and
-    # output gradients, remat or not: under remat=full far more than the layers' inputs.
+    # A split stage holds each micro-batch's B residuals and W inputs from its forward, and its
+    # output gradients from B to W, remat or not: under remat=full far more than the layers'
+    # inputs. None of it is a copy of the weights.
     from hetjax import memory, program
     from hetjax.config import load
     from hetjax.hetero.island import island_config
@@ -162,7 +166,15 @@ def test_an_island_s_memory_estimate_bounds_what_its_split_backward_holds():
     x = jax.ShapeDtypeStruct((rows, cfg.seq_len, model.embed_dim), model.dtype)
     micro = {k: jax.ShapeDtypeStruct((rows, cfg.seq_len), jnp.int32) for k in ("positions", "segment_ids")}
     split = Split(lambda p, x, b: stage_forward(graphdef, p, x, b, first=False, last=False), params, x, micro)
-    avals = list(split.act_avals) + [a for avals in split.tap_avals for a in avals]
+    residuals = Residuals()
+
+    def forward(p, x):  # what the island's split forward returns: B's residuals and W's inputs
+        _, vjp, acts = split.forward(p, x, micro)
+        return residuals.split(vjp, (p, x)), acts
+    kept = jax.eval_shape(forward, params, x)
+    layer_weights = {w.shape[1:] for w in jax.tree.leaves(params["blocks"])}
+    assert not any(a.shape in layer_weights for a in jax.tree.leaves(kept[0]))  # no copy of a layer's weights
+    avals = jax.tree.leaves(kept) + [a for avals in split.tap_avals for a in avals]  # and the output gradients
     held = M * sum(a.size * a.dtype.itemsize for a in avals) / mesh.shape["fsdp"]  # rows split over fsdp
     assert memory.estimate(part, layouts, mesh).activations >= held
     unsplit = dataclasses.replace(part, pipeline=dataclasses.replace(part.pipeline, split_backward=False))
@@ -175,4 +187,4 @@ def test_the_timeline_command_prints_each_island_s_split_order(capsys):
     out = capsys.readouterr().out
     assert "whole backwards (each runs its own order, no lockstep): 15 forwards a step" in out
     assert "split into B (input gradient) and W (weight gradient)" in out and "13 forwards a step" in out
-    assert "island 1 F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3" in out
+    assert "island 1 F0 B0 F1 B1 F2 W0 B2 F3 W1 B3 W2 W3" in out

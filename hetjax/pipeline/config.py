@@ -38,7 +38,8 @@ class PipelineConfig:
     # Islands (pipeline placement): True splits each backward into its input-gradient part,
     # which the previous island waits for, and its weight-gradient part, which runs where the
     # island would otherwise wait (zero-bubble style, ZB-H1: hetjax/pipeline/split.py,
-    # schedule.split_orders). The gradients and losses are the same.
+    # schedule.split_orders). The losses match the whole backwards' within float rounding,
+    # not bit for bit, hence off by default; config.model.remat does not apply in a split stage.
     split_backward: bool = False
 
 

@@ -11,27 +11,35 @@ bf16 cast) with an activation-side one (computed from the stage input or the bat
 the matmuls against weights, the norms' scales, an embedding lookup. B is the vjp
 with respect to the stage input and to a "tap" on each such equation's output, whose
 cotangent is that output's gradient dy_i: it yields dx and every dy_i, and runs none
-of the weight products. W takes each equation's activation inputs a_i (saved by the
+of the weight products. W takes each equation's activation inputs a_i (kept from the
 forward) and dy_i and runs only the weight products: the vjp, with respect to the
-parameters, of the equations evaluated on a_i. Between B and W a stage keeps every
-a_i and dy_i of the micro-batch (`Split.weight_inputs`), roughly the residuals a
-fused backward keeps.
+parameters, of the equations evaluated on a_i. A stage holds a micro-batch's a_i from its
+forward to its W, B's residuals from the forward to B (activation-side values only: the
+weight-side ones, a layer's slice of the stacked weights or its bf16 cast, are computed
+again in B, as a remat policy would, rather than kept per micro-batch), and its dy_i from
+B to W.
 
-Inside the interpreter the stage's nested programs (jit, the layers' scan, remat)
-are written out, so the parts are the stage's arithmetic with no loop: the pipeline's
-stages are written out anyway (config.pipeline.scan_layers=False).
+Inside the interpreter the stage's nested programs (jit, remat, the layers' scan) are
+written out, so the parts are the stage's arithmetic with no loop: `config.model.remat`
+does not apply inside a split stage, and compiling takes longer as a stage holds more
+layers (an island's stage programs otherwise scan them).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core
 
 from hetjax.errors import ConfigError
 
 _CONST, _WEIGHT, _ACT = 0, 1, 2  # what a value depends on: nothing, the parameters only, the input
 _INLINED = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
+# Mixing equations whose weight gradient reads only the output gradient (a bias): W needs
+# none of their activation inputs.
+_ADDITIVE = ("add", "sub", "add_any")
+_SAVED = "hetjax_split_activation"  # B keeps only values so named: the activation side
 
 
 @jax.custom_vjp
@@ -96,10 +104,10 @@ class _Run:
         if self.mode == "weight" and kind == _ACT and not mixing:
             return [(None, _ACT)] * len(eqn.outvars)  # activation side: B computed it
         if mixing and self.mode == "weight":
-            uses = self.uses[self.count]
             vals = [v for v, _ in ins]
-            for pos, index in uses:
-                vals[pos] = self.acts[index]
+            for pos, index in self.uses[self.count]:
+                aval = eqn.invars[pos].aval
+                vals[pos] = jnp.zeros(aval.shape, aval.dtype) if index is None else self.acts[index]
             ins = [(v, k) for v, k in zip(vals, kinds)]
         if mixing and name.startswith("custom"):
             raise ConfigError(
@@ -110,6 +118,8 @@ class _Run:
         outs = list(outs) if eqn.primitive.multiple_results else [outs]
         if mixing:
             outs = self.mixing(eqn, ins, outs)
+        if self.mode == "input" and kind == _ACT:
+            outs = [checkpoint_name(o, _SAVED) if _float(v.aval) else o for o, v in zip(outs, eqn.outvars)]
         return [(o, kind) for o in outs]
 
     def mixing(self, eqn, ins, outs):
@@ -120,7 +130,9 @@ class _Run:
             return outs
         uses = []  # an activation used by several equations (q, k and v's input) is kept once
         for pos, (value, kind) in enumerate(ins):
-            if kind == _ACT:
+            if kind == _ACT and eqn.primitive.name in _ADDITIVE:
+                uses.append((pos, None))  # W reads zeros there: the weight's gradient does not use it
+            elif kind == _ACT:
                 if id(value) not in self.saved:
                     self.saved[id(value)] = len(self.saved_values)
                     self.saved_values.append(value)
@@ -148,9 +160,14 @@ class _Run:
             ys.reverse()
         stacked = []
         for j in range(len(eqn.outvars) - ncarry):
-            vals = [y[j][0] for y in ys]
-            kind = ys[0][j][1] if ys else _CONST
-            stacked.append((None if vals[0] is None else jnp.stack(vals), kind))
+            vals, kinds = [y[j][0] for y in ys], {y[j][1] for y in ys}
+            if {_WEIGHT, _ACT} <= kinds:  # the stacking would mix them with no tap to see it
+                raise ConfigError(
+                    "config.pipeline.split_backward=True: the stage scans a value that starts from the weights "
+                    "alone (a learned initial state) and stacks it with activations; the split cannot cut "
+                    "there; set split_backward=False")
+            kind = max(kinds, default=_CONST)  # zeros first, activations after: activation-side
+            stacked.append((None if any(v is None for v in vals) else jnp.stack(vals), kind))
         return carry + stacked
 
 
@@ -166,7 +183,9 @@ class Split:
         run = _Run("shapes")
 
         def shapes(params, x, batch):
-            run.eval(self.closed.jaxpr, self.closed.consts, self._args(params, x, batch))
+            outs = run.eval(self.closed.jaxpr, self.closed.consts, self._args(params, x, batch))
+            # hetjax's stages return activations; a weight-only output would get no gradient from W
+            assert all(k != _WEIGHT for _, k in outs), "an output of the stage is computed from weights alone"
             return [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in run.saved_values]
         self.act_avals = jax.eval_shape(shapes, params, x, batch)
         self.uses, self.tap_avals = run.uses, run.out_avals
@@ -188,8 +207,11 @@ class Split:
         """(y, vjp, activation inputs): vjp(dy) is B (`input_grads`); the activation
         inputs are W's, to keep until it runs."""
         taps = [[jnp.zeros(a.shape, a.dtype) for a in avals] for avals in self.tap_avals]
-        y, vjp, acts = jax.vjp(lambda x, taps: self._input_side(params, x, batch, taps), x, taps, has_aux=True)
-        return y, vjp, acts
+        # B keeps only activation-side values: a layer's weights, sliced from the stack or
+        # cast, would otherwise be a residual of every micro-batch in flight.
+        side = jax.checkpoint(lambda x, taps: self._input_side(params, x, batch, taps),
+                              policy=jax.checkpoint_policies.save_only_these_names(_SAVED))
+        return jax.vjp(side, x, taps, has_aux=True)
 
     @staticmethod
     def input_grads(vjp, dy):
