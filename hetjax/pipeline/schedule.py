@@ -152,7 +152,7 @@ def split_orders(schedule: Schedule, pending: int | None = None) -> list[list[tu
     islands): ("B", m, v) gives the input gradient only, and ("W", m, v), the weight
     gradient, runs later. The order of every stage's forwards and backwards is `ops`'; a
     W runs where the stage would otherwise wait for an input (found by running the
-    islands' schedule with unit costs and instant links), or before a B that would leave
+    islands' schedule with unit costs and instant links), or right after a B that leaves
     more than `pending` (default: the stage count) waiting, the rest at the end. W's run in the order of their
     backwards, so the gradients add up in the same order as unsplit backwards."""
     return _islands_run(schedule, True, schedule.stages if pending is None else pending)[0]
@@ -196,15 +196,14 @@ def _islands_run(schedule: Schedule, split: bool, cap: int):
                 run(s, *waiting[s].pop(0), free[s])
                 break
             r = ready(s)
-            if split and base[s][at[s]][0] == "B" and len(waiting[s]) >= cap:
-                run(s, *waiting[s].pop(0), free[s])  # one more B would hold cap + 1 W's inputs
-                break
             if r is not None and r <= free[s]:
                 op, m, v = base[s][at[s]]
                 at[s] += 1
                 run(s, op, m, v, free[s])
                 if op == "B" and split:
                     waiting[s].append(("W", m, v))
+                    if len(waiting[s]) > cap:  # after the B, not before: the B is what a peer waits for
+                        run(s, *waiting[s].pop(0), free[s])
                 break
             if waiting[s]:  # the stage would wait: a weight gradient fills the time
                 run(s, *waiting[s].pop(0), free[s])
