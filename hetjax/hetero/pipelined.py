@@ -254,8 +254,8 @@ class PipelineStage:
                     dx, dys = self.bwd[v](params, kept, x, dy, label=label)
                     weight_inputs[m, v] = acts, dys
                 elif self.split:
-                    dx, *weight_inputs[m, v], loss = self.bwd[v](params, loss, batch, mm, stash.pop((m, v)), dy,
-                                                                 label=label)
+                    dx, acts, dys, loss = self.bwd[v](params, loss, batch, mm, stash.pop((m, v)), dy, label=label)
+                    weight_inputs[m, v] = acts, dys
                 elif self.keeps[v]:
                     acc, dx = self.bwd[v](params, acc, *stash.pop((m, v)), dy, label=label)
                 else:
