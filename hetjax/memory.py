@@ -205,7 +205,8 @@ def check_fits(cfg: Config, est: Estimate, mesh) -> None:
     splits = [k for k in range(need_devices, rows + 1) if rows % k == 0]
     # An island's split backward ignores remat (hetjax.pipeline.split): turning it off is the saving.
     recompute = ("config.pipeline.split_backward=False, which lets config.model.remat apply"
-                 if cfg.pipeline.split_backward and cfg.hetero.islands else "recompute more (config.model.remat='full')")
+                 if cfg.pipeline.split_backward and cfg.hetero.islands
+                 else "recompute more (config.model.remat='full')")
     devices_hint = (f"about {splits[0]} devices of this size with the model sharded over config.mesh.fsdp" if splits
                     else f"not even {rows} devices, one row each (the most a batch of config.batch_size={cfg.batch_size}"
                          f" splits over), with the model sharded over config.mesh.fsdp: lower config.seq_len or "

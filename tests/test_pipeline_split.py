@@ -154,8 +154,8 @@ def test_an_island_s_memory_estimate_bounds_what_its_split_backward_holds():
     from hetjax.mesh import make_mesh
     from tests.test_hetero import tiny_islands
     # A model whose layers, not its vocabulary, hold most of the activations (shapes only).
-    big = {"model.remat": "full", "model.num_layers": "64", "model.embed_dim": "512", "model.mlp_dim": "1536", "seq_len": "32",
-           "model.head_dim": "128"}
+    big = {"model.remat": "full", "model.num_layers": "64", "model.embed_dim": "512", "model.mlp_dim": "1536",
+           "seq_len": "32", "model.head_dim": "128"}
     cfg = tiny_islands({**big, "pipeline.split_backward": "True"})
     part = island_config(cfg, 0)
     mesh = make_mesh(part.mesh, jax.devices()[:2])

@@ -153,15 +153,16 @@ def split_orders(schedule: Schedule, pending: int | None = None) -> list[list[tu
     gradient, runs later. The order of every stage's forwards and backwards is `ops`'; a
     W runs where the stage would otherwise wait for an input (found by running the
     islands' schedule with unit costs and instant links), or right after a B that leaves
-    more than `pending` (default: the stage count) waiting, the rest at the end. W's run in the order of their
-    backwards, so the gradients add up in the same order as unsplit backwards."""
+    more than `pending` (default: the stage count) waiting, the rest at the end. W's run
+    in the order of their backwards, so the gradients add up in the same order as unsplit
+    backwards."""
     return _islands_run(schedule, True, schedule.stages if pending is None else pending)[0]
 
 
 def island_span(schedule: Schedule, split: bool = False) -> float:
-    """How long islands running `schedule` take for one step, in forwards (a forward, an
-    input-gradient and a weight-gradient part cost 1 each, links are instant): the ideal
-    is 3 x microbatches x virtual; the rest is the bubble."""
+    """How long islands running `schedule` take for one step, in forwards of one chunk (a
+    forward, an input-gradient and a weight-gradient part cost 1 each, links are instant):
+    the ideal is 3 x microbatches x virtual; the rest is the bubble."""
     return _islands_run(schedule, split, schedule.stages)[1]
 
 
