@@ -188,3 +188,12 @@ def test_the_timeline_command_prints_each_island_s_split_order(capsys):
     assert "whole backwards (each runs its own order, no lockstep): 15 forwards a step" in out
     assert "split into B (input gradient) and W (weight gradient)" in out and "13 forwards a step" in out
     assert "island 1 F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3" in out
+
+
+def test_the_timeline_command_draws_the_islands_split_order(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from hetjax.pipeline.__main__ import main
+    assert main(["--stages", "2", "--microbatches", "4", "--schedule", "1f1b", "--split-backward",
+                 "--png", str(tmp_path / "t.png")]) == 0
+    assert f"wrote {tmp_path / 't_islands_split.png'}" in capsys.readouterr().out
+    assert (tmp_path / "t.png").stat().st_size > 1000 and (tmp_path / "t_islands_split.png").stat().st_size > 1000

@@ -3,14 +3,16 @@
 --schedule, every schedule, and the interleaved ones with --virtual-stages (default 2) chunks
 per stage, these also in the order each island runs them (the cross-island pipeline's
 schedule); --split-backward: every schedule in each island's order with its backwards split
-into input- and weight-gradient parts (config.pipeline.split_backward), beside the unsplit one."""
+into input- and weight-gradient parts (config.pipeline.split_backward), beside the unsplit one
+(with --png, drawn too: PATH_islands_split.png)."""
 
 import os
 import sys
 
 from hetjax import cli
 from hetjax.errors import ConfigError
-from hetjax.pipeline.schedule import KINDS, VIRTUAL_KINDS, island_orders, make_schedule, plot, timeline
+from hetjax.pipeline.schedule import (KINDS, VIRTUAL_KINDS, island_orders, make_schedule, plot, plot_islands,
+                                      timeline)
 
 
 # make_schedule's errors in this command's options, not the config's.
@@ -62,6 +64,10 @@ def draw(args) -> int:
             path = stem + ext if len(schedules) == 1 else f"{stem}_{schedule.kind}_v{schedule.virtual}{ext}"
             plot(schedule, path)
             print(f"wrote {path}")
+            if args.split_backward:  # and the islands' split order beside it
+                islands = f"{os.path.splitext(path)[0]}_islands_split{ext}"
+                plot_islands(schedule, islands, split=True)
+                print(f"wrote {islands}")
     return 0
 
 

@@ -167,11 +167,13 @@ def island_span(schedule: Schedule, split: bool = False) -> float:
 
 
 def _islands_run(schedule: Schedule, split: bool, cap: int):
-    """(each stage's operations, the step's length): every island runs its `ops` without
-    lockstep; with `split`, W's are placed as split_orders says."""
+    """(each stage's operations, the step's length, each stage's (op, m, v, start, end)):
+    every island runs its `ops` without lockstep; with `split`, W's are placed as
+    split_orders says."""
     S, J = schedule.stages, schedule.stages * schedule.virtual
     base = [schedule.ops(s) for s in range(S)]
     out = [[] for _ in range(S)]
+    spans = [[] for _ in range(S)]  # per stage: (op, m, v, start, end)
     free, at, waiting = [0.0] * S, [0] * S, [[] for _ in range(S)]
     done = {}  # (op, m, j) -> when it ends
 
@@ -190,6 +192,7 @@ def _islands_run(schedule: Schedule, split: bool, cap: int):
         cost = (0.0 if (op, j) == ("F", J - 1) else 1.0) + (op == "B") * ((j == J - 1) + (not split))
         done[op, m, j] = free[s] = start + cost
         out[s].append((op, m, v))
+        spans[s].append((op, m, v, start, start + cost))
 
     while any(at[s] < len(base[s]) or waiting[s] for s in range(S)):
         for s in sorted((s for s in range(S) if at[s] < len(base[s]) or waiting[s]), key=lambda s: (free[s], s)):
@@ -214,7 +217,7 @@ def _islands_run(schedule: Schedule, split: bool, cap: int):
                 break
         else:
             raise AssertionError(f"{schedule.name}: no stage can run its next operation")
-    return out, max(free)
+    return out, max(free), spans
 
 
 # How make_schedule's errors name its settings: the config's fields by default; a command
@@ -371,6 +374,34 @@ def plot(schedule: Schedule, path: str, forward_cost: float = 1.0, backward_cost
     ax.set_xlabel("time (forward = 1)")
     ax.set_title(f"{schedule.name}, S={schedule.stages}, M={schedule.microbatches}, "
                  f"bubble {schedule.bubble_fraction(forward_cost, backward_cost):.1%}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_islands(schedule: Schedule, path: str, split: bool = False) -> None:
+    """Writes a Gantt chart of islands running `schedule` at unit costs (island_span), with
+    split backwards if `split`: forwards plain, B's (or whole backwards) hatched, W's dotted."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _, span, spans = _islands_run(schedule, split, schedule.stages)
+    fig, ax = plt.subplots(figsize=(max(6, span * 0.3), 0.6 * schedule.stages + 1))
+    colors = plt.get_cmap("tab20")
+    for s, ops in enumerate(spans):
+        for op, m, v, start, end in ops:
+            if end > start:  # the last virtual stage's forward runs inside its backward
+                ax.barh(s, end - start, left=start, color=colors(m % 20), hatch={"F": "", "B": "//", "W": ".."}[op],
+                        edgecolor="black")
+                ax.text((start + end) / 2, s, f"{op}{m}" + (f".{v}" if schedule.virtual > 1 else ""),
+                        ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(schedule.stages), [f"island {s}" for s in range(schedule.stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (forward = 1)")
+    ideal = 3 * schedule.microbatches * schedule.virtual
+    ax.set_title(f"{schedule.name} on islands, {'split' if split else 'whole'} backwards, S={schedule.stages}, "
+                 f"M={schedule.microbatches}, bubble {1 - ideal / span:.1%}")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
