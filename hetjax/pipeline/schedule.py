@@ -156,24 +156,18 @@ def split_orders(schedule: Schedule, pending: int | None = None) -> list[list[tu
     more than `pending` (default: the stage count) waiting, the rest at the end. W's run
     in the order of their backwards, so the gradients add up in the same order as unsplit
     backwards."""
-    return _islands_run(schedule, True, schedule.stages if pending is None else pending)[0]
-
-
-def island_span(schedule: Schedule, split: bool = False) -> float:
-    """How long islands running `schedule` take for one step, in forwards of one chunk (a
-    forward, an input-gradient and a weight-gradient part cost 1 each, links are instant):
-    the ideal is 3 x microbatches x virtual; the rest is the bubble."""
-    return _islands_run(schedule, split, schedule.stages)[1]
+    spans, _ = _islands_run(schedule, True, schedule.stages if pending is None else pending)
+    return [[op[:3] for op in ops] for ops in spans]
 
 
 def _islands_run(schedule: Schedule, split: bool, cap: int):
-    """(each stage's operations, the step's length, each stage's (op, m, v, start, end)):
-    every island runs its `ops` without lockstep; with `split`, W's are placed as
+    """(each stage's (op, m, v, start, end) in the order it runs them, the step's length):
+    every island runs its `ops` without lockstep, a forward, an input-gradient and a
+    weight-gradient part costing 1 each and links instant; with `split`, W's are placed as
     split_orders says."""
     S, J = schedule.stages, schedule.stages * schedule.virtual
     base = [schedule.ops(s) for s in range(S)]
-    out = [[] for _ in range(S)]
-    spans = [[] for _ in range(S)]  # per stage: (op, m, v, start, end)
+    spans = [[] for _ in range(S)]
     free, at, waiting = [0.0] * S, [0] * S, [[] for _ in range(S)]
     done = {}  # (op, m, j) -> when it ends
 
@@ -191,7 +185,6 @@ def _islands_run(schedule: Schedule, split: bool, cap: int):
         # holds the weight-gradient part too.
         cost = (0.0 if (op, j) == ("F", J - 1) else 1.0) + (op == "B") * ((j == J - 1) + (not split))
         done[op, m, j] = free[s] = start + cost
-        out[s].append((op, m, v))
         spans[s].append((op, m, v, start, start + cost))
 
     while any(at[s] < len(base[s]) or waiting[s] for s in range(S)):
@@ -217,7 +210,12 @@ def _islands_run(schedule: Schedule, split: bool, cap: int):
                 break
         else:
             raise AssertionError(f"{schedule.name}: no stage can run its next operation")
-    return out, max(free), spans
+    return spans, max(free)
+
+
+def _island_bubble(schedule: Schedule, length: float) -> float:
+    """The idle share of an islands' step of `length` forwards (the work is 3 per micro-batch and chunk)."""
+    return 1.0 - 3 * schedule.microbatches * schedule.virtual / length
 
 
 # How make_schedule's errors name its settings: the config's fields by default; a command
@@ -333,16 +331,14 @@ def island_orders(schedule: Schedule, split: bool = False) -> str:
     """Each stage's operations in the order an island holding it runs them (`Schedule.ops`:
     no lockstep ticks, each waits only for its own inputs), one line per island; with
     `split`, backwards split into B and W (split_orders). The header gives the step's
-    length in forwards (island_span)."""
-    def name(op, m, v):
+    length in forwards of one chunk, at unit costs."""
+    def name(op, m, v, *_):
         return f"{op}{m}" + (f".{v}" if schedule.virtual > 1 else "")
-    orders = split_orders(schedule) if split else [schedule.ops(s) for s in range(schedule.stages)]
-    ideal = 3 * schedule.microbatches * schedule.virtual
-    span = island_span(schedule, split)
+    spans, length = _islands_run(schedule, split, schedule.stages)
     how = "backwards split into B (input gradient) and W (weight gradient)" if split else "whole backwards"
     return "\n".join([f"{schedule.name} on islands, {how} (each runs its own order, no lockstep): "
-                      f"{span:g} forwards a step at unit costs, bubble {1 - ideal / span:.1%}"] + [
-        f"island {s} " + " ".join(name(*op) for op in orders[s]) for s in range(schedule.stages)])
+                      f"{length:g} forwards a step at unit costs, bubble {_island_bubble(schedule, length):.1%}"] + [
+        f"island {s} " + " ".join(name(*op) for op in ops) for s, ops in enumerate(spans)])
 
 
 def plot(schedule: Schedule, path: str, forward_cost: float = 1.0, backward_cost: float = 2.0) -> None:
@@ -380,14 +376,14 @@ def plot(schedule: Schedule, path: str, forward_cost: float = 1.0, backward_cost
 
 
 def plot_islands(schedule: Schedule, path: str, split: bool = False) -> None:
-    """Writes a Gantt chart of islands running `schedule` at unit costs (island_span), with
+    """Writes a Gantt chart of islands running `schedule` at unit costs (as island_orders), with
     split backwards if `split`: forwards plain, B's (or whole backwards) hatched, W's dotted."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    _, span, spans = _islands_run(schedule, split, schedule.stages)
-    fig, ax = plt.subplots(figsize=(max(6, span * 0.3), 0.6 * schedule.stages + 1))
+    spans, length = _islands_run(schedule, split, schedule.stages)
+    fig, ax = plt.subplots(figsize=(max(6, length * 0.3), 0.6 * schedule.stages + 1))
     colors = plt.get_cmap("tab20")
     for s, ops in enumerate(spans):
         for op, m, v, start, end in ops:
@@ -399,9 +395,8 @@ def plot_islands(schedule: Schedule, path: str, split: bool = False) -> None:
     ax.set_yticks(range(schedule.stages), [f"island {s}" for s in range(schedule.stages)])
     ax.invert_yaxis()
     ax.set_xlabel("time (forward = 1)")
-    ideal = 3 * schedule.microbatches * schedule.virtual
     ax.set_title(f"{schedule.name} on islands, {'split' if split else 'whole'} backwards, S={schedule.stages}, "
-                 f"M={schedule.microbatches}, bubble {1 - ideal / span:.1%}")
+                 f"M={schedule.microbatches}, bubble {_island_bubble(schedule, length):.1%}")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

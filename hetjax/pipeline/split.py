@@ -178,8 +178,8 @@ class Split:
     x may be None (a first stage, which embeds the batch)."""
 
     def __init__(self, fn, params, x, batch):
-        self.closed = jax.make_jaxpr(fn)(params, x, batch)
-        self.out_tree = jax.tree.structure(jax.eval_shape(fn, params, x, batch))
+        self.closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(params, x, batch)
+        self.out_tree = jax.tree.structure(out_shape)
         run = _Run("shapes")
 
         def shapes(params, x, batch):
