@@ -21,6 +21,7 @@ bounds each source's whole transfer, data included (`host` times out on silence)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -35,16 +36,32 @@ from jax.sharding import SingleDeviceSharding
 from hetjax.transfer import core
 from hetjax.transfer.api import Endpoint
 from hetjax.transfer.link import TransferError, TransferTimeout, address
-from hetjax.transfer.plan import Layout, extent
+from hetjax.transfer.plan import extent
 
 DESCRIPTOR_BYTES = 4096  # a message's descriptor: its length, then zlib'd JSON, padded
 
 
-def describe(avals, src, dst) -> list[str]:
-    """Each leaf as the two sides must agree on it: dtype, shape, both layouts."""
+def message_key(avals, src, dst) -> tuple:
+    """What the two sides of a message must agree on, hashable: each leaf's shape and
+    dtype, and both layouts. A step repeats a few messages, so what is made of one (its
+    offer ids' text, its descriptor) is made once per key, not per message."""
+    return tuple((tuple(a.shape), np.dtype(a.dtype).name) for a in avals), tuple(src), tuple(dst)
+
+
+@functools.lru_cache(maxsize=256)
+def describe(key: tuple) -> tuple[str, ...]:
+    """Each leaf of a message_key as the two sides must agree on it: dtype, shape, both layouts."""
     def layout(x):
         return f"mesh {dict(zip(x.axis_names, x.mesh_shape))} spec {list(x.spec)} processes {list(x.processes)}"
-    return [f"{np.dtype(a.dtype).name}{list(a.shape)} from {layout(s)} to {layout(d)}" for a, s, d in zip(avals, src, dst)]
+    shapes, src, dst = key
+    return tuple(f"{dtype}{list(shape)} from {layout(s)} to {layout(d)}" for (shape, dtype), s, d in zip(shapes, src, dst))
+
+
+@functools.lru_cache(maxsize=256)
+def _identity(key: tuple) -> str:
+    """A message_key as the text its offer ids are made of (Layout.to_json is slow)."""
+    shapes, src, dst = key
+    return json.dumps([[list(shape), dtype, s.to_json(), d.to_json()] for (shape, dtype), s, d in zip(shapes, src, dst)])
 
 
 def pack(leaves: list[str]) -> np.ndarray:
@@ -59,9 +76,14 @@ def pack(leaves: list[str]) -> np.ndarray:
     raise AssertionError("an empty descriptor always fits")
 
 
-def disagreement(theirs: np.ndarray, ours: list[str]) -> str | None:
+def disagreement(theirs: np.ndarray, ours: tuple[str, ...]) -> str | None:
     """How the sender's descriptor differs from this receive's leaves (None: it does not)."""
-    got = json.loads(zlib.decompress(theirs[4:4 + int.from_bytes(theirs[:4].tobytes(), "little")].tobytes()))
+    return _disagreement(theirs[:4 + int.from_bytes(theirs[:4].tobytes(), "little")].tobytes(), ours)
+
+
+@functools.lru_cache(maxsize=256)
+def _disagreement(theirs: bytes, ours: tuple[str, ...]) -> str | None:
+    got = json.loads(zlib.decompress(theirs[4:]))
     if got["count"] != len(ours):
         return f"the sender sends {got['count']} arrays, this receive expects {len(ours)}"
     for i, (a, b) in enumerate(zip(got["leaves"], ours)):
@@ -84,10 +106,9 @@ class DirectEndpoint(Endpoint):
         self._lock = threading.Lock()
         self._posted: dict[str, core.Handle] = {}  # receives in flight: a twin would pull the same offer
 
-    def _uuid(self, tag, p, q, avals, src, dst) -> int:
-        """The offer's id; with avals None, the id of its descriptor."""
-        what = json.dumps([tag, p, q] + ([[list(a.shape), np.dtype(a.dtype).name, s.to_json(), d.to_json()]
-                                          for a, s, d in zip(avals, src, dst)] if avals is not None else ["descriptor"]))
+    def _uuid(self, tag, p, q, key) -> int:
+        """The offer's id: of the message with this message_key, or with key None of its descriptor."""
+        what = json.dumps([tag, p, q]) + (_identity(key) if key is not None else '"descriptor"')
         return int.from_bytes(hmac.new(self._secret, what.encode(), hashlib.sha256).digest()[:8], "little") >> 1
 
     def send(self, tree, tag, dst, peers=None):
@@ -101,23 +122,22 @@ class DirectEndpoint(Endpoint):
             for piece in plan.sent_by(self.process):
                 by_dst.setdefault(piece.dst_process, []).append(core.device_piece(leaves[i], plan, piece, relayout))
         handle = core.Handle(core.finished(), f"send {tag!r}")
+        key = message_key(leaves, src_layouts, dst_layouts)
         if by_dst:
-            desc = self._descriptor(leaves, src_layouts, dst_layouts)
+            desc = self._descriptor(key)
         for q, arrays in sorted(by_dst.items()):
-            self._server.await_pull(self._uuid(tag, self.process, q, None, None, None), [desc])
-            self._server.await_pull(self._uuid(tag, self.process, q, leaves, src_layouts, dst_layouts), arrays)
+            self._server.await_pull(self._uuid(tag, self.process, q, None), [desc])
+            self._server.await_pull(self._uuid(tag, self.process, q, key), arrays)
             handle.wire_bytes += sum(a.nbytes for a in arrays)
         return handle
 
-    def _descriptor(self, leaves, src: list[Layout], dst: list[Layout]) -> jax.Array:
-        """The descriptor on a device, described and made once per distinct message (a step
-        repeats them)."""
-        key = (tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in leaves), tuple(src), tuple(dst))
+    def _descriptor(self, key: tuple) -> jax.Array:
+        """The descriptor of the message with this message_key on a device, made once per key."""
         with self._lock:
             if key not in self._descriptors:
                 if len(self._descriptors) >= 256:
                     self._descriptors.clear()
-                self._descriptors[key] = jax.device_put(pack(describe(leaves, src, dst)), jax.local_devices()[0])
+                self._descriptors[key] = jax.device_put(pack(describe(key)), jax.local_devices()[0])
             return self._descriptors[key]
 
     def recv(self, tag, like, src, peers=None):
@@ -188,18 +208,19 @@ class DirectEndpoint(Endpoint):
 
     def _receive(self, tag, expect, src_layouts, wanted, peers, handle):
         pulls, descriptors = {}, {}
+        key = message_key(expect.avals, src_layouts, expect.dst)
         on = SingleDeviceSharding(jax.local_devices()[0])
         like = [jax.ShapeDtypeStruct((DESCRIPTOR_BYTES,), np.uint8, sharding=on)]
         for p, items in sorted(wanted.items()):
-            uuid = self._uuid(tag, p, self.process, expect.avals, src_layouts, expect.dst)
+            uuid = self._uuid(tag, p, self.process, key)
             address = peers[p][0]
             descriptors[p] = core.futures.Future()
             # pull() returns at once, its arrays become ready when the data is in: wait for that
             # here, under the timeout, since an op on them would block their device until then.
             pulls[p] = (address, core.run_async(self._pull, address, uuid, [sds for _, _, sds in items],
-                                                self._uuid(tag, p, self.process, None, None, None), like, descriptors[p]))
+                                                self._uuid(tag, p, self.process, None), like, descriptors[p]))
         received = []
-        ours = describe(expect.avals, src_layouts, expect.dst)
+        ours = describe(key)
         for p, (address, future) in pulls.items():
             described = descriptors[p]
             core.wait_overdue(handle, [described, future], self.cfg.timeout_s, first=True)
