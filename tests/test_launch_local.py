@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hetjax.compile import backend
@@ -478,3 +479,73 @@ def test_a_dead_coordinator_is_an_error_naming_the_island():
     assert f"island a:1: the coordinator (process 0 of island 'a') at 127.0.0.1:{port} did not answer " \
            f"within 1s" in run.stdout, run.stdout + run.stderr
     assert time.monotonic() - t0 < 30
+
+
+# An island process kept to one core (HETJAX_CPUS, as launch.local pins stand-ins) offers an
+# array over `direct`, then runs a long program, as an island sends and goes on to its next
+# operation.
+KEPT_SENDER = textwrap.dedent("""
+    import os, sys, time
+    from hetjax.config import IslandConfig
+    from hetjax.hetero import runtime
+    core = int(os.environ["HETJAX_CPUS"])
+    s = runtime.ProcessSettings("a", 0, 1, "127.0.0.1:" + sys.argv[1], {"a": ("127.0.0.1:1",)}, "cpu")
+    runtime.initialize(s, IslandConfig(name="a"), timeout_s=30.0)
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.experimental import transfer
+    server = transfer.start_transfer_server(jax.local_devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
+    work = jax.jit(lambda a, n: jax.lax.fori_loop(0, n, lambda i, b: jnp.tanh(b @ b), a))
+    big = jnp.full((512, 512), 1 / 512, jnp.float32)
+    jax.block_until_ready(work(big, 20))
+    t = time.perf_counter()
+    jax.block_until_ready(work(big, 20))
+    n = max(20, int(20 * float(sys.argv[2]) / (time.perf_counter() - t)))  # a program of about argv[2] s
+    kept = {os.sched_getaffinity(int(t)) == {core} for t in os.listdir("/proc/self/task")}
+    print("kept", kept == {True}, "address", server.address(), flush=True)
+    sys.stdin.readline()
+    x = jax.device_put(np.arange(64 * 128, dtype=np.float32).reshape(64, 128))
+    server.await_pull(7, [x])
+    t = time.perf_counter()
+    out = work(big, n)
+    print("running", flush=True)
+    jax.block_until_ready(out)
+    print("program", time.perf_counter() - t, flush=True)
+    sys.stdin.readline()
+""")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: one to keep to, one for the puller")
+def test_an_island_kept_to_one_core_serves_a_direct_pull_while_its_device_computes():
+    """XLA:CPU sizes its client's thread pool by the cores the process may use when the
+    backend starts, and serves a `direct` pull from that pool: kept to one core before
+    jax started, an island's pull waited for the whole program it ran after the send."""
+    import jax
+    from jax.experimental import transfer
+    core = max(os.sched_getaffinity(0))
+    env = dict(os.environ, PYTHONPATH=str(local.REPO), JAX_PLATFORMS="cpu", HETJAX_CPUS=str(core),
+               XLA_FLAGS=backend.with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), 1))
+    port = local.free_ports(1)[0]
+    sender = subprocess.Popen([sys.executable, "-c", KEPT_SENDER, str(port), "1.0"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        words = sender.stdout.readline().split()
+        assert words[:2] == ["kept", "True"], words  # every thread of the island, XLA's included
+        server = transfer.start_transfer_server(jax.local_devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
+        connection = server.connect(words[-1])
+        sender.stdin.write("go\n")
+        sender.stdin.flush()
+        assert sender.stdout.readline().strip() == "running"
+        time.sleep(0.05)
+        t = time.perf_counter()
+        got = connection.pull(7, [jax.ShapeDtypeStruct((64, 128), np.float32, sharding=jax.sharding.
+                                                       SingleDeviceSharding(jax.local_devices()[0]))])
+        got = np.asarray(got[0])
+        pulled = time.perf_counter() - t
+        program = float(sender.stdout.readline().split()[-1])
+        np.testing.assert_array_equal(got, np.arange(64 * 128, dtype=np.float32).reshape(64, 128))
+        assert program > 0.3, f"the program took {program:.3f} s: too short to tell"
+        assert pulled < 0.5 * program, f"the pull took {pulled:.3f} s of a {program:.3f} s program"
+    finally:
+        sender.stdin.write("done\n")
+        sender.stdin.flush()
+        sender.wait(timeout=60)

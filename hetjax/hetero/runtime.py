@@ -185,6 +185,28 @@ def wait_for_port(address: str, timeout_s: float, what: str) -> None:
                                      f"(config.hetero.timeout_s): {e}; is it running?"))
 
 
+def _cores(cpus: str) -> set[int]:
+    """HETJAX_CPUS's cores ({} when unset), checked against this machine's before jax starts."""
+    if not cpus:
+        return set()
+    try:
+        keep = {int(c) for c in cpus.split(",")}
+        if not keep <= os.sched_getaffinity(0):
+            raise ValueError(f"cores {sorted(keep - os.sched_getaffinity(0))} are not this process's")
+    except ValueError as e:
+        raise ConfigError(f"{CPUS_VARIABLE}={cpus!r}: expected cores of this machine, e.g. 0,1 ({e})") from None
+    return keep
+
+
+def keep_to(cores: set[int]) -> None:
+    """Keeps every thread of this process, and so every thread they start, to `cores`."""
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread), cores)
+        except ProcessLookupError:  # it ended meanwhile
+            pass
+
+
 def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float) -> None:
     """Joins this process to its island's jax.distributed world (call before jax.devices()).
 
@@ -198,14 +220,16 @@ def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float
     if backend.backends_started():
         raise IslandStartError(f"island {settings.tag}: jax's backends already exist; call "
                                f"hetero.runtime.initialize before anything touches a device")
-    cpus = os.environ.get(CPUS_VARIABLE, "")
-    if cpus:  # before jax starts: XLA sizes its thread pools by the cores it may use
-        try:
-            keep = {int(c) for c in cpus.split(",")}
-            for thread in os.listdir("/proc/self/task"):  # every thread so far; new ones inherit it
-                os.sched_setaffinity(int(thread), keep)
-        except (ValueError, OSError) as e:
-            raise ConfigError(f"{CPUS_VARIABLE}={cpus!r}: expected cores of this machine, e.g. 0,1 ({e})") from None
+    keep = _cores(os.environ.get(CPUS_VARIABLE, ""))
+    # XLA:CPU sizes its client's thread pool by the cores the process may use when the
+    # backend starts. Kept to more than one core first, the pool fits the share. Kept to
+    # one, it would be one thread, which runs a program whole, and `direct` serves a pull
+    # from that pool: a pull waited for the whole program the island ran after its send
+    # (1.1 s of a 1.3 s program; 5-11 ms with two threads: docs/DESIGN.md). So a process
+    # of one core keeps to it only once the backend has started.
+    late = len(keep) == 1 and len(os.sched_getaffinity(0)) > 1
+    if keep and not late:
+        keep_to(keep)
     if settings.platform(island) == "cpu":
         # gloo only where collectives cross processes (jax's default once jax.distributed
         # starts): in a world of one process it would carry even the collectives between
@@ -225,6 +249,8 @@ def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float
             f"{settings.coordinator} within {timeout_s:g}s (config.hetero.timeout_s): "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     check_platform(settings.platform(island), island, settings)
+    if late:
+        keep_to(keep)
     found = len(jax.local_devices())
     if found != island.devices_per_process:
         raise ConfigError(
