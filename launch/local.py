@@ -117,10 +117,11 @@ def cpu_shares(devices: list[int], cores: list[int]) -> list[tuple[int, ...]] | 
     """Disjoint sets of `cores` for processes with `devices` CPU devices each, in proportion
     to them (at least one core each); None when there are fewer cores than processes.
 
-    Stand-in islands on one machine: two processes that each size their XLA thread pool to
-    every core would share them badly (measured here on the tiny islands: 30.5k tokens/s
-    unpinned against 39.6k with a core each), so each gets its own share of the cores,
-    as separate machines would. The one-island comparison gets the same cores in all."""
+    Stand-in islands on one machine: two processes that each run XLA's threads on every
+    core would share them badly (measured here on the tiny islands: 30.5k tokens/s
+    unpinned against 39.6k with a core each), so each keeps to its own share of the cores
+    (hetero.runtime.initialize), as separate machines would. The one-island comparison gets
+    the same cores in all."""
     if len(cores) < len(devices) or not devices:
         return None
     counts = proportional(len(cores), devices, what="cores")

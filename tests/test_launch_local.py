@@ -500,8 +500,12 @@ KEPT_SENDER = textwrap.dedent("""
     t = time.perf_counter()
     jax.block_until_ready(work(big, 20))
     n = max(20, int(20 * float(sys.argv[2]) / (time.perf_counter() - t)))  # a program of about argv[2] s
-    kept = {os.sched_getaffinity(int(t)) == {core} for t in os.listdir("/proc/self/task")}
-    print("kept", kept == {True}, "address", server.address(), flush=True)
+    def kept(thread):
+        try:
+            return os.sched_getaffinity(int(thread)) == {core}
+        except ProcessLookupError:  # it ended meanwhile
+            return True
+    print("kept", all(map(kept, os.listdir("/proc/self/task"))), "address", server.address(), flush=True)
     sys.stdin.readline()
     x = jax.device_put(np.arange(64 * 128, dtype=np.float32).reshape(64, 128))
     server.await_pull(7, [x])
@@ -521,8 +525,9 @@ def test_an_island_kept_to_one_core_serves_a_direct_pull_while_its_device_comput
     jax started, an island's pull waited for the whole program it ran after the send."""
     import jax
     from jax.experimental import transfer
-    core = max(os.sched_getaffinity(0))
-    env = dict(os.environ, PYTHONPATH=str(local.REPO), JAX_PLATFORMS="cpu", HETJAX_CPUS=str(core),
+    from hetjax.transfer import core
+    kept = max(os.sched_getaffinity(0))
+    env = dict(os.environ, PYTHONPATH=str(local.REPO), JAX_PLATFORMS="cpu", HETJAX_CPUS=str(kept),
                XLA_FLAGS=backend.with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), 1))
     port = local.free_ports(1)[0]
     sender = subprocess.Popen([sys.executable, "-c", KEPT_SENDER, str(port), "1.0"], stdin=subprocess.PIPE,
@@ -537,15 +542,20 @@ def test_an_island_kept_to_one_core_serves_a_direct_pull_while_its_device_comput
         assert sender.stdout.readline().strip() == "running"
         time.sleep(0.05)
         t = time.perf_counter()
-        got = connection.pull(7, [jax.ShapeDtypeStruct((64, 128), np.float32, sharding=jax.sharding.
-                                                       SingleDeviceSharding(jax.local_devices()[0]))])
-        got = np.asarray(got[0])
+        like = jax.ShapeDtypeStruct((64, 128), np.float32, sharding=jax.sharding.SingleDeviceSharding(
+            jax.local_devices()[0]))
+        pull = core.run_async(lambda: np.asarray(connection.pull(7, [like])[0]))  # in a daemon thread
+        got = pull.result(timeout=60)  # a sender gone for good fails the pull once it is killed below
         pulled = time.perf_counter() - t
         program = float(sender.stdout.readline().split()[-1])
         np.testing.assert_array_equal(got, np.arange(64 * 128, dtype=np.float32).reshape(64, 128))
         assert program > 0.3, f"the program took {program:.3f} s: too short to tell"
         assert pulled < 0.5 * program, f"the pull took {pulled:.3f} s of a {program:.3f} s program"
     finally:
-        sender.stdin.write("done\n")
-        sender.stdin.flush()
-        sender.wait(timeout=60)
+        try:
+            sender.stdin.write("done\n")
+            sender.stdin.flush()
+            sender.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            sender.kill()
+            sender.wait()

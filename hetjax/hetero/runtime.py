@@ -200,11 +200,14 @@ def _cores(cpus: str) -> set[int]:
 
 def keep_to(cores: set[int]) -> None:
     """Keeps every thread of this process, and so every thread they start, to `cores`."""
-    for thread in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(thread), cores)
-        except ProcessLookupError:  # it ended meanwhile
-            pass
+    done: set[str] = set()
+    while todo := set(os.listdir("/proc/self/task")) - done:  # again: one not yet kept may start another
+        for thread in todo:
+            try:
+                os.sched_setaffinity(int(thread), cores)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
+        done |= todo
 
 
 def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float) -> None:
@@ -225,7 +228,7 @@ def initialize(settings: ProcessSettings, island: IslandConfig, timeout_s: float
     # backend starts. Kept to more than one core first, the pool fits the share. Kept to
     # one, it would be one thread, which runs a program whole, and `direct` serves a pull
     # from that pool: a pull waited for the whole program the island ran after its send
-    # (1.1 s of a 1.3 s program; 5-11 ms with two threads: docs/DESIGN.md). So a process
+    # (0.93 s of a 0.98 s program; 5-13 ms with two threads: docs/DESIGN.md). So a process
     # of one core keeps to it only once the backend has started.
     late = len(keep) == 1 and len(os.sched_getaffinity(0)) > 1
     if keep and not late:
