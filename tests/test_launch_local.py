@@ -532,14 +532,17 @@ def test_an_island_kept_to_one_core_serves_a_direct_pull_while_its_device_comput
     port = local.free_ports(1)[0]
     sender = subprocess.Popen([sys.executable, "-c", KEPT_SENDER, str(port), "1.0"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=env)
+
+    def line() -> str:  # the sender's next line, or an error after 60 s (it is killed below)
+        return core.run_async(sender.stdout.readline).result(timeout=60)
     try:
-        words = sender.stdout.readline().split()
+        words = line().split()
         assert words[:2] == ["kept", "True"], words  # every thread of the island, XLA's included
         server = transfer.start_transfer_server(jax.local_devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
         connection = server.connect(words[-1])
         sender.stdin.write("go\n")
         sender.stdin.flush()
-        assert sender.stdout.readline().strip() == "running"
+        assert line().strip() == "running"
         time.sleep(0.05)
         t = time.perf_counter()
         like = jax.ShapeDtypeStruct((64, 128), np.float32, sharding=jax.sharding.SingleDeviceSharding(
@@ -547,7 +550,7 @@ def test_an_island_kept_to_one_core_serves_a_direct_pull_while_its_device_comput
         pull = core.run_async(lambda: np.asarray(connection.pull(7, [like])[0]))  # in a daemon thread
         got = pull.result(timeout=60)  # a sender gone for good fails the pull once it is killed below
         pulled = time.perf_counter() - t
-        program = float(sender.stdout.readline().split()[-1])
+        program = float(line().split()[-1])
         np.testing.assert_array_equal(got, np.arange(64 * 128, dtype=np.float32).reshape(64, 128))
         assert program > 0.3, f"the program took {program:.3f} s: too short to tell"
         assert pulled < 0.5 * program, f"the pull took {pulled:.3f} s of a {program:.3f} s program"

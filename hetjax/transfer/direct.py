@@ -64,7 +64,7 @@ def _identity(key: tuple) -> str:
     return json.dumps([[list(shape), dtype, s.to_json(), d.to_json()] for (shape, dtype), s, d in zip(shapes, src, dst)])
 
 
-def pack(leaves: list[str]) -> np.ndarray:
+def pack(leaves: tuple[str, ...]) -> np.ndarray:
     """The descriptor as DESCRIPTOR_BYTES bytes (leaves at the end dropped if it would not fit)."""
     for n in range(len(leaves), -1, -1):
         data = zlib.compress(json.dumps({"count": len(leaves), "leaves": leaves[:n]}).encode())
