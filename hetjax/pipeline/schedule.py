@@ -313,7 +313,7 @@ def timeline(schedule: Schedule) -> str:
     `B3` its backward, `F3B1` both in one tick, `.` idle; with virtual stages
     `F3.1` is micro-batch 3's forward through the stage's chunk 1."""
     def op(name, m, v):
-        return "" if m < 0 else f"{name}{m}" + (f".{v}" if schedule.virtual > 1 else "")
+        return "" if m < 0 else _label(schedule, name, m, v)
     cells = [[op("F", f, fv) + op("B", b, bv) or "."
               for f, fv, b, bv in zip(schedule.forward[:, s], schedule.forward_chunk[:, s],
                                       schedule.backward[:, s], schedule.backward_chunk[:, s])]
@@ -332,71 +332,63 @@ def island_orders(schedule: Schedule, split: bool = False) -> str:
     no lockstep ticks, each waits only for its own inputs), one line per island; with
     `split`, backwards split into B and W (split_orders). The header gives the step's
     length in forwards of one chunk, at unit costs."""
-    def name(op, m, v, *_):
-        return f"{op}{m}" + (f".{v}" if schedule.virtual > 1 else "")
     spans, length = _islands_run(schedule, split, schedule.stages)
     how = "backwards split into B (input gradient) and W (weight gradient)" if split else "whole backwards"
     return "\n".join([f"{schedule.name} on islands, {how} (each runs its own order, no lockstep): "
                       f"{length:g} forwards a step at unit costs, bubble {_island_bubble(schedule, length):.1%}"] + [
-        f"island {s} " + " ".join(name(*op) for op in ops) for s, ops in enumerate(spans)])
+        f"island {s} " + " ".join(_label(schedule, *op[:3]) for op in ops) for s, ops in enumerate(spans)])
 
 
 def plot(schedule: Schedule, path: str, forward_cost: float = 1.0, backward_cost: float = 2.0) -> None:
     """Writes a Gantt chart of the schedule (ticks as long as their slowest stage)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     per_stage = forward_cost * (schedule.forward >= 0) + backward_cost * (schedule.backward >= 0)
     starts = np.concatenate([[0.0], np.cumsum(per_stage.max(axis=1))])
-    fig, ax = plt.subplots(figsize=(max(6, starts[-1] * 0.3), 0.6 * schedule.stages + 1))
-    colors = plt.get_cmap("tab20")
+    bars = []  # (row, op, m, v, start, end)
     for t in range(schedule.ticks):
         for s in range(schedule.stages):
             x = starts[t]
-            for table, cost, hatch in ((schedule.forward, forward_cost, ""),
-                                       (schedule.backward, backward_cost, "//")):
-                m = table[t, s]
-                if m >= 0:
-                    ax.barh(s, cost, left=x, color=colors(m % 20), hatch=hatch, edgecolor="black")
-                    chunks = schedule.forward_chunk if table is schedule.forward else schedule.backward_chunk
-                    label = ("F" if table is schedule.forward else "B") + str(m)
-                    if schedule.virtual > 1:
-                        label += f".{chunks[t, s]}"
-                    ax.text(x + cost / 2, s, label, ha="center", va="center", fontsize=7)
+            for op, table, chunks, cost in (("F", schedule.forward, schedule.forward_chunk, forward_cost),
+                                            ("B", schedule.backward, schedule.backward_chunk, backward_cost)):
+                if table[t, s] >= 0:
+                    bars.append((s, op, table[t, s], chunks[t, s], x, x + cost))
                     x += cost
-    ax.set_yticks(range(schedule.stages), [f"stage {s}" for s in range(schedule.stages)])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (forward = 1)")
-    ax.set_title(f"{schedule.name}, S={schedule.stages}, M={schedule.microbatches}, "
-                 f"bubble {schedule.bubble_fraction(forward_cost, backward_cost):.1%}")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _gantt(schedule, bars, starts[-1], "stage", f"{schedule.name}, S={schedule.stages}, M={schedule.microbatches}, "
+           f"bubble {schedule.bubble_fraction(forward_cost, backward_cost):.1%}", path)
 
 
 def plot_islands(schedule: Schedule, path: str, split: bool = False) -> None:
     """Writes a Gantt chart of islands running `schedule` at unit costs (as island_orders), with
     split backwards if `split`: forwards plain, B's (or whole backwards) hatched, W's dotted."""
+    spans, length = _islands_run(schedule, split, schedule.stages)
+    # The last virtual stage's forward runs inside its backward: it takes no time of its own.
+    bars = [(s, *op) for s, ops in enumerate(spans) for op in ops if op[4] > op[3]]
+    _gantt(schedule, bars, length, "island", f"{schedule.name} on islands, {'split' if split else 'whole'} "
+           f"backwards, S={schedule.stages}, M={schedule.microbatches}, bubble {_island_bubble(schedule, length):.1%}",
+           path)
+
+
+def _label(schedule: Schedule, op: str, m: int, v: int) -> str:
+    """`F3`, or `F3.1` (micro-batch 3 through chunk 1) with virtual stages."""
+    return f"{op}{m}" + (f".{v}" if schedule.virtual > 1 else "")
+
+
+def _gantt(schedule: Schedule, bars, length: float, row: str, title: str, path: str) -> None:
+    """Draws bars (row, op, micro-batch, chunk, start, end), one row per stage, into `path`:
+    forwards plain, backwards (B's) hatched, W's dotted, colour by micro-batch."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    spans, length = _islands_run(schedule, split, schedule.stages)
     fig, ax = plt.subplots(figsize=(max(6, length * 0.3), 0.6 * schedule.stages + 1))
     colors = plt.get_cmap("tab20")
-    for s, ops in enumerate(spans):
-        for op, m, v, start, end in ops:
-            if end > start:  # the last virtual stage's forward runs inside its backward
-                ax.barh(s, end - start, left=start, color=colors(m % 20), hatch={"F": "", "B": "//", "W": ".."}[op],
-                        edgecolor="black")
-                ax.text((start + end) / 2, s, f"{op}{m}" + (f".{v}" if schedule.virtual > 1 else ""),
-                        ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(schedule.stages), [f"island {s}" for s in range(schedule.stages)])
+    for s, op, m, v, start, end in bars:
+        ax.barh(s, end - start, left=start, color=colors(m % 20), hatch={"F": "", "B": "//", "W": ".."}[op],
+                edgecolor="black")
+        ax.text((start + end) / 2, s, _label(schedule, op, m, v), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(schedule.stages), [f"{row} {s}" for s in range(schedule.stages)])
     ax.invert_yaxis()
     ax.set_xlabel("time (forward = 1)")
-    ax.set_title(f"{schedule.name} on islands, {'split' if split else 'whole'} backwards, S={schedule.stages}, "
-                 f"M={schedule.microbatches}, bubble {_island_bubble(schedule, length):.1%}")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
