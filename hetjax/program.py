@@ -144,7 +144,7 @@ def train_step_fn(cfg, graphdef, tx, mesh: Mesh, plan: Plan | None) -> Callable:
     pipelined one."""
     r, lr = rules(cfg, plan), optim.learning_rate_schedule(cfg.optim, cfg.steps)
     if plan is None:
-        return step.make_train_step(graphdef, tx, lr, mesh, r, cfg.optim.grad_accum_steps)
+        return step.make_train_step(graphdef, tx, lr, mesh, r, cfg.optim.grad_accum_steps, cfg.sharding.grad_sync)
     return spmd.make_train_step(graphdef, tx, lr, mesh, r, plan)
 
 

@@ -44,11 +44,35 @@ class ShardingConfig:
     # Refuse layouts that leave more than this share of parameter bytes unsplit by
     # any non-`data` mesh axis (only checked when such axes have size > 1).
     max_replicated_fraction: float = 0.1
+    # When a batch split over `data` sums its gradients (hetjax.step.make_grad_fn).
+    # "per_layer": where XLA puts it, as each layer's gradient is made inside the backward
+    # loop, so that it can overlap the next layer's compute where collectives run
+    # asynchronously (GPUs). "once": each data shard sums its own and the shards meet once
+    # a step, for processes whose collectives block (CPU's gloo) or cross slow links.
+    grad_sync: str = "per_layer"
+
+
+GRAD_SYNCS = ("per_layer", "once")
 
 
 def mesh_axes(target) -> tuple[str, ...]:
     """A rule's target (None, one mesh axis or several) as a tuple of mesh axes."""
     return () if target is None else (target,) if isinstance(target, str) else tuple(target)
+
+
+def without_axis(rules, axis: str) -> tuple:
+    """The rules with mesh axis `axis` taken out of every target: the rules inside a
+    shard_map that is manual over `axis`."""
+    out = []
+    for name, target in rules:
+        kept = tuple(a for a in mesh_axes(target) if a != axis)
+        out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
+    return tuple(out)
+
+
+def beside_batch_on_data(rules) -> list:
+    """The rules other than `batch`'s that map onto mesh axis `data`."""
+    return [rule for rule in rules if rule[0] != "batch" and "data" in mesh_axes(rule[1])]
 
 
 def shards(target, sizes) -> int:
@@ -64,6 +88,8 @@ def validate_sharding(s: ShardingConfig, model_axes) -> None:
         raise ConfigError(
             f"config.sharding.max_replicated_fraction={s.max_replicated_fraction}: "
             f"must lie in [0, 1]")
+    if s.grad_sync not in GRAD_SYNCS:
+        raise ConfigError(f"config.sharding.grad_sync={s.grad_sync!r}: use one of {GRAD_SYNCS}")
     names = set()
     for i, rule in enumerate(s.rules):
         if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)):
@@ -94,6 +120,11 @@ def validate_sharding(s: ShardingConfig, model_axes) -> None:
         close = difflib.get_close_matches(name, required, n=2, cutoff=0.5)
         hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"known: {sorted(required)}"
         raise ConfigError(f"config.sharding.rules: unknown logical axis {name!r}; {hint}")
+    if s.grad_sync == "once" and beside_batch_on_data(s.rules):
+        raise ConfigError(
+            f"config.sharding.grad_sync='once' needs `data` to split the batch only (its parameters "
+            f"replicated over `data`), but config.sharding.rules maps {beside_batch_on_data(s.rules)[0]!r} "
+            f"onto `data`; take `data` out of that rule or set config.sharding.grad_sync='per_layer'")
     missing = sorted(required - names)
     if missing:
         raise ConfigError(

@@ -40,10 +40,10 @@ def split_micro(x, n):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, mesh: Mesh, rules,
-                    grad_accum_steps: int = 1):
+                    grad_accum_steps: int = 1, grad_sync: str = "per_layer"):
     """The pure step. Gradients of all micro-batches are summed, then divided by
     the token count once, so accumulation changes memory, not the result."""
-    grad_fn = make_grad_fn(graphdef, mesh, rules, grad_accum_steps)
+    grad_fn = make_grad_fn(graphdef, mesh, rules, grad_accum_steps, grad_sync)
 
     def train_step(state: TrainState, batch):
         loss_sum, count, grads = grad_fn(state.params, batch)
@@ -52,8 +52,34 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, mesh: 
     return train_step
 
 
-def make_grad_fn(graphdef, mesh: Mesh, rules, grad_accum_steps: int = 1):
-    """(params, batch) -> (loss sum, token count, summed gradients), like the pipeline's."""
+def make_grad_fn(graphdef, mesh: Mesh, rules, grad_accum_steps: int = 1, grad_sync: str = "per_layer"):
+    """(params, batch) -> (loss sum, token count, summed gradients), like the pipeline's.
+
+    grad_sync="once" (config.sharding.grad_sync): each shard of the batch over `data` sums
+    its own gradients and the shards meet once, after the backward pass. Left to itself,
+    XLA all-reduces each layer's gradient inside the backward layer loop: a meeting of
+    every process per layer, each a wait for the slowest where collectives block
+    (docs/measurements.md, bench/multiprocess_overhead.py)."""
+    if grad_sync == "per_layer" or mesh.shape.get("data", 1) == 1:
+        return _sums(graphdef, mesh, rules, grad_accum_steps)
+    assert grad_sync == "once" and not sharding.beside_batch_on_data(rules), (grad_sync, rules)  # validated
+    n = mesh.shape["data"]
+    local = _sums(graphdef, mesh, sharding.without_axis(rules, "data"), grad_accum_steps)
+
+    def sums(params, batch):
+        # (B, T) -> (data, B/data, T): no data moves where `batch` splits over data first
+        # (the default rule, data then fsdp).
+        shards = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+        # Each shard's sums stay on its devices (spmd_axis_name) until the one sum below.
+        # (A shard_map manual over `data` would say the same, but XLA 0.10's partitioner
+        # aborts on its embedding lookup when fsdp and tensor both split the table.)
+        per_shard = jax.vmap(local, in_axes=(None, 0), spmd_axis_name="data")(params, shards)
+        return jax.tree.map(lambda x: jnp.sum(x, axis=0), per_shard)
+
+    return sums
+
+
+def _sums(graphdef, mesh: Mesh, rules, grad_accum_steps: int):
     grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
 
     def sums(params, batch):

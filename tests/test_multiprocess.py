@@ -82,21 +82,24 @@ def check_world(one, many, run_dir, n):
 # Two tests, so that `pytest -n 2` runs them side by side (each starts its own processes).
 def test_4_gloo_processes_give_the_one_process_losses_and_identical_batches(cfg_path, one, tmp_path):
     """...and a SIGTERM that reaches one process only stops all four at the same step
-    (each saves it: a save is collective), from which the job resumes."""
+    (each saves it: a save is collective), from which the job resumes. As data=2 x fsdp=2
+    with gradients summed over `data` once a step (config.sharding.grad_sync), against the
+    one process's fsdp=4."""
     run_dir, sent = tmp_path / "run", []
+    once = {"mesh.data": "2", "mesh.fsdp": "-1", "sharding.grad_sync": "once"}
 
     def on_line(proc, line):
         if proc.settings.tag == "mesh:3" and line.startswith("step 1:") and not sent:
             sent.append(line)
             os.kill(proc.popen.pid, signal.SIGTERM)
 
-    overrides = {"run_dir": str(run_dir), "hetero.timeout_s": str(TIMEOUT)}
+    overrides = {"run_dir": str(run_dir), "hetero.timeout_s": str(TIMEOUT), **once}
     code = local.run(cfg_path, overrides, processes=4, on_line=on_line, out=(out := io.StringIO()))
     assert code == 143, out.getvalue()[-3000:]
     saved = re.findall(r"^\[mesh:(\d)\] preempted \(SIGTERM\): saved step (\d+)", out.getvalue(), re.M)
     assert sorted(p for p, _ in saved) == ["0", "1", "2", "3"], out.getvalue()[-3000:]
     assert len({s for _, s in saved}) == 1 and int(saved[0][1]) < STEPS, saved
-    check_world(one, run_world(cfg_path, run_dir, 4), run_dir, 4)
+    check_world(one, run_world(cfg_path, run_dir, 4, once), run_dir, 4)
 
 
 def test_2_gloo_processes_match_one_and_a_killed_world_stops_then_resumes_bit_identically(cfg_path, one, tmp_path):

@@ -1,6 +1,7 @@
 """Sharding: the rule table decides placement, and the mesh never changes the math."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from hetjax import data, program, sharding, step
+from hetjax import config as config_lib
 from hetjax import state as state_lib
 from hetjax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig
 from hetjax.mesh import make_mesh
@@ -25,7 +27,17 @@ MESHES = {
     "fsdp=8": (MeshConfig(fsdp=8), 8),
     "fsdp=2,tensor=4": (MeshConfig(fsdp=2, tensor=4), 8),
     "data=2,fsdp=2,tensor=2": (MeshConfig(data=2, fsdp=2, tensor=2), 8),
+    # Gradients summed over `data` once a step (config.sharding.grad_sync), accumulated too.
+    "data=2,fsdp=2,tensor=2 once": (MeshConfig(data=2, fsdp=2, tensor=2), 8),
+    "data=4 once, 2 accumulated": (MeshConfig(data=4, fsdp=1), 4),
 }
+
+
+def configured(name):
+    """CFG with the grad_sync and accumulation a MESHES name asks for."""
+    sync = "once" if " once" in name else "per_layer"
+    return dataclasses.replace(CFG, sharding=dataclasses.replace(CFG.sharding, grad_sync=sync),
+                               optim=dataclasses.replace(CFG.optim, grad_accum_steps=2 if "accumulated" in name else 1))
 
 
 def build(cfg, mesh_cfg, num_devices):
@@ -40,15 +52,17 @@ def run(cfg, mesh_cfg, num_devices):
     batch_sh = program.batch_shardings(mesh, rules)
     stream = data.build(cfg)
 
+    grad_fn = step.make_grad_fn(graphdef, mesh, rules, cfg.optim.grad_accum_steps, cfg.sharding.grad_sync)
+
     def mean_grads(params, batch):
-        with sharding.logical_rules(mesh, rules):
-            (_, count), grads = jax.value_and_grad(step.loss_sums, has_aux=True)(params, graphdef, batch)
+        _, count, grads = grad_fn(params, batch)
         return jax.tree.map(lambda g: g / count, grads)
 
     grads = jax.jit(mean_grads, in_shardings=(shardings.params, batch_sh))(
         state.params, stream.batch(0, batch_sh))
     train_step = program.jit_train_step(
-        step.make_train_step(graphdef, tx, learning_rate_schedule(cfg.optim, cfg.steps), mesh, rules),
+        step.make_train_step(graphdef, tx, learning_rate_schedule(cfg.optim, cfg.steps), mesh, rules,
+                             cfg.optim.grad_accum_steps, cfg.sharding.grad_sync),
         shardings, batch_sh, mesh)
     losses = []
     for s in range(cfg.steps):
@@ -65,12 +79,52 @@ def single_device():
 @pytest.mark.parametrize("name", [n for n in MESHES if n != "1 device"])
 def test_loss_and_gradients_agree_across_meshes(name, single_device):
     ref_grads, ref_losses = single_device
-    grads, losses = run(CFG, *MESHES[name])
+    grads, losses = run(configured(name), *MESHES[name])
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
         scale = np.max(np.abs(r))
         np.testing.assert_allclose(g / scale, r / scale, atol=1e-5, err_msg=jax.tree_util.keystr(path))
     assert losses[-1] < losses[0]  # the three steps did train
+
+
+def _all_reduces(hlo: str) -> tuple[int, int]:
+    """(all-reduces in while-loop bodies, all-reduces in all) of a compiled module's text."""
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    inside = total = 0
+    for computation in re.split(r"\n(?=\S)", hlo):  # each starts at column 0 (so do their "}")
+        name = re.match(r"(?:ENTRY )?%?([\w.\-]*)", computation).group(1)
+        n = len(re.findall(r" all-reduce(?:-start)?\(", computation))
+        total += n
+        inside += n if name in bodies else 0
+    return inside, total
+
+
+def test_grad_sync_once_sums_over_data_after_the_layer_loop_not_in_it():
+    """XLA sums each layer's gradient over `data` inside the backward layer loop (a meeting
+    of every process per layer); grad_sync='once' leaves one all-reduce, after the loop."""
+    found = {}
+    for sync in ("per_layer", "once"):
+        cfg = dataclasses.replace(CFG, sharding=dataclasses.replace(CFG.sharding, grad_sync=sync))
+        prog = program.build(cfg, make_mesh(MeshConfig(data=4, fsdp=1), jax.devices()[:4]))
+        found[sync] = _all_reduces(prog.compile_train_step().as_text())
+    assert found["per_layer"][0] >= 1, found  # else the test would see nothing
+    assert found["once"] == (0, 1), found
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"sharding.grad_sync": "each"}, r"config.sharding.grad_sync='each': use one of \('per_layer', 'once'\)"),
+    ({"sharding.grad_sync": "once", "mesh.pipeline": "2"},
+     r"grad_sync='once' with config.mesh.pipeline=2: a pipeline's stages .* set config.sharding.grad_sync='per_layer'"),
+    ({"sharding.grad_sync": "once", "sharding.rules": repr(tuple(
+        (n, ("data", "fsdp") if n == "embed" else t) for n, t in CFG.sharding.rules))},
+     r"needs `data` to split the batch only .* maps \('embed', \('data', 'fsdp'\)\) onto `data`"),
+])
+def test_grad_sync_refuses_what_it_cannot_do(overrides, message):
+    cfg = CFG
+    for key, text in overrides.items():
+        cfg = config_lib.override(cfg, key, text)
+    with pytest.raises(ConfigError, match=message):
+        config_lib.validate(cfg)
 
 
 def _spec(state, *path):

@@ -56,6 +56,11 @@ def validate_pipeline(cfg, check_batch: bool = True) -> None:
             "config.pipeline.split_backward=True: only islands with pipeline placement split their backwards "
             "(each island runs its own order of operations; the one-program pipeline's stages move in lockstep "
             "ticks, where the weight-gradient parts would not fill the waits); set it False here")
+    pipelined = "config.mesh.pipeline=%d" % stages if stages != 1 else (
+        "config.hetero.placement='pipeline'" if cfg.hetero.islands and cfg.hetero.placement == "pipeline" else "")
+    if cfg.sharding.grad_sync != "per_layer" and pipelined:
+        raise ConfigError(f"config.sharding.grad_sync={cfg.sharding.grad_sync!r} with {pipelined}: a pipeline's "
+                          f"stages sum their gradients where XLA puts them; set config.sharding.grad_sync='per_layer'")
     V = p.virtual_stages
     if not isinstance(V, int) or V < 1:
         raise ConfigError(f"config.pipeline.virtual_stages={V!r}: must be an integer >= 1 (1: no interleaving)")
