@@ -61,8 +61,8 @@ def mesh_axes(target) -> tuple[str, ...]:
 
 
 def without_axis(rules, axis: str) -> tuple:
-    """The rules with mesh axis `axis` taken out of every target: the rules inside a
-    shard_map that is manual over `axis`."""
+    """The rules with mesh axis `axis` taken out of every target: the rules of a function
+    vmapped over `axis`'s shards (spmd_axis_name), which puts `axis` back itself."""
     out = []
     for name, target in rules:
         kept = tuple(a for a in mesh_axes(target) if a != axis)
@@ -120,6 +120,12 @@ def validate_sharding(s: ShardingConfig, model_axes) -> None:
         close = difflib.get_close_matches(name, required, n=2, cutoff=0.5)
         hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"known: {sorted(required)}"
         raise ConfigError(f"config.sharding.rules: unknown logical axis {name!r}; {hint}")
+    batch_axes = mesh_axes(dict(s.rules).get("batch"))
+    if s.grad_sync == "once" and batch_axes[:1] != ("data",):
+        raise ConfigError(
+            f"config.sharding.grad_sync='once' sums the gradients of the batch's shards over `data`, but "
+            f"config.sharding.rules maps 'batch' to {dict(s.rules).get('batch')!r}; map it to `data` first, "
+            f"e.g. ('batch', ('data', 'fsdp')), or set config.sharding.grad_sync='per_layer'")
     if s.grad_sync == "once" and beside_batch_on_data(s.rules):
         raise ConfigError(
             f"config.sharding.grad_sync='once' needs `data` to split the batch only (its parameters "

@@ -60,15 +60,17 @@ def make_grad_fn(graphdef, mesh: Mesh, rules, grad_accum_steps: int = 1, grad_sy
     XLA all-reduces each layer's gradient inside the backward layer loop: a meeting of
     every process per layer, each a wait for the slowest where collectives block
     (docs/measurements.md, bench/multiprocess_overhead.py)."""
+    if grad_sync not in sharding.GRAD_SYNCS:
+        raise ValueError(f"grad_sync={grad_sync!r}: use one of {sharding.GRAD_SYNCS}")
     if grad_sync == "per_layer" or mesh.shape.get("data", 1) == 1:
         return _sums(graphdef, mesh, rules, grad_accum_steps)
-    assert grad_sync == "once" and not sharding.beside_batch_on_data(rules), (grad_sync, rules)  # validated
+    assert not sharding.beside_batch_on_data(rules), rules  # validate_sharding refuses these
     n = mesh.shape["data"]
     local = _sums(graphdef, mesh, sharding.without_axis(rules, "data"), grad_accum_steps)
 
     def sums(params, batch):
-        # (B, T) -> (data, B/data, T): no data moves where `batch` splits over data first
-        # (the default rule, data then fsdp).
+        # (B, T) -> (data, B/data, T): no data moves, as `batch` splits over data first
+        # (validate_sharding).
         shards = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
         # Each shard's sums stay on its devices (spmd_axis_name) until the one sum below.
         # (A shard_map manual over `data` would say the same, but XLA 0.10's partitioner

@@ -100,6 +100,9 @@ def test_loading_refuses_other_meshes_jax_versions_configs_and_corruption(tmp_pa
     changed = dataclasses.replace(CFG, optim=dataclasses.replace(CFG.optim, learning_rate=0.5))
     with pytest.raises(export.ArtifactMismatch, match=r"config\.optim\.learning_rate"):
         export.load(tmp_path, changed, mesh)
+    once = dataclasses.replace(CFG, sharding=dataclasses.replace(CFG.sharding, grad_sync="once"))
+    with pytest.raises(export.ArtifactMismatch, match=r"config\.sharding\.grad_sync"):  # another program
+        export.load(tmp_path, once, mesh)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     # What the program does not depend on may change (it was refused): paths, logging,
     # checkpoints, the seed, the cache, and a config.mesh that resolves to the same mesh.

@@ -87,11 +87,13 @@ def test_pipeline_islands_train_like_one_island(tmp_path):
 
 
 DATA_CASES = {
+    # Island cuda sums its data shards' gradients once a step (config.sharding.grad_sync).
     "even": ('''
         islands = (IslandConfig(name="cuda", devices_per_process=2, mesh=MeshConfig(data=2, fsdp=1)),
                    IslandConfig(name="rocm", devices_per_process=2, mesh=MeshConfig(fsdp=2)))
         return dataclasses.replace(cfg, hetero=HeteroConfig(islands=islands, placement="data",
-                                                            fingerprint_every=3))
+                                                            fingerprint_every=3),
+                                   sharding=dataclasses.replace(cfg.sharding, grad_sync="once"))
     ''', (8, 8)),
     # 1:3 speeds; the faster island runs its own two-stage pipeline inside.
     "uneven-pipeline-inside": ('''
@@ -266,6 +268,10 @@ def test_bad_island_configs_are_refused_naming_the_field(hetero, match):
      "islands\\[0\\].mesh.pipeline=2 with uneven config.pipeline.stage_layers=\\(1, 3\\)"),
     ({"pipeline.virtual_stages": "2", "pipeline.schedule": "1f1b_fused"}, {"placement": "data"},
      "virtual_stages=2 with config.hetero.placement='data'"),
+    ({"sharding.grad_sync": "once"}, {}, "grad_sync='once' with config.hetero.placement='pipeline'"),
+    ({"sharding.grad_sync": "once", "pipeline.microbatches": "2"}, {"placement": "data", "islands": (
+        IslandConfig(name="a", devices_per_process=2, mesh=MeshConfig(pipeline=2, fsdp=1)), IslandConfig(name="b"))},
+     "islands\\[0\\].mesh.pipeline=2: config.sharding.grad_sync='once' with config.mesh.pipeline=2"),
     # Accepted and ignored, even when it did not add up to the model's 2 layers.
     ({"pipeline.stage_layers": "(5,7,9)"}, {"placement": "data"},
      "stage_layers=\\(5, 7, 9\\) with placement='data' and no island running a pipeline"),

@@ -42,7 +42,7 @@ STEPS = ("train_step", "eval_step")
 # 4 devices are one program. config.compile sets the flags XLA compiles the loaded
 # StableHLO with on the machine that loads it; it does not change the StableHLO, nor
 # does sharding.max_replicated_fraction (a check, not a layout).
-PROGRAM_FIELDS = ("model", "optim", "sharding.rules", "pipeline", "batch_size", "seq_len")
+PROGRAM_FIELDS = ("model", "optim", "sharding.rules", "sharding.grad_sync", "pipeline", "batch_size", "seq_len")
 
 
 def program_fields(config: dict) -> dict:
@@ -51,6 +51,7 @@ def program_fields(config: dict) -> dict:
     kept = {k: v for k, v in flat.items() if any(k == f or k.startswith(f + ".") for f in PROGRAM_FIELDS)}
     # decay_steps=0: the learning rate's cosine ends at config.steps; the schedule's end either way
     kept["optim.decay_steps"] = flat.get("optim.decay_steps") or flat.get("steps")
+    kept.setdefault("sharding.grad_sync", "per_layer")  # what manifests made before it ran
     return kept
 
 

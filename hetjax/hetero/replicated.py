@@ -31,7 +31,7 @@ class DataShare:
         params_sh = isl.shardings.params
         if isl.plan is None:
             grad_fn = step.make_grad_fn(isl.graphdef, isl.mesh, isl.rules, isl.cfg.optim.grad_accum_steps,
-                                      isl.cfg.sharding.grad_sync)
+                                        isl.cfg.sharding.grad_sync)
         else:
             grad_fn = pipeline.spmd.make_grad_fn(isl.graphdef, isl.mesh, isl.rules, isl.plan)
         P, B = aot.abstract(isl.abstract.params, params_sh), isl.abstract_batch()

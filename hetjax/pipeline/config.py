@@ -56,9 +56,10 @@ def validate_pipeline(cfg, check_batch: bool = True) -> None:
             "config.pipeline.split_backward=True: only islands with pipeline placement split their backwards "
             "(each island runs its own order of operations; the one-program pipeline's stages move in lockstep "
             "ticks, where the weight-gradient parts would not fill the waits); set it False here")
-    pipelined = "config.mesh.pipeline=%d" % stages if stages != 1 else (
+    # (pipeline=-1 is counted on the mesh: program.check_splits refuses it there)
+    pipelined = "config.mesh.pipeline=%d" % stages if stages > 1 else (
         "config.hetero.placement='pipeline'" if cfg.hetero.islands and cfg.hetero.placement == "pipeline" else "")
-    if cfg.sharding.grad_sync != "per_layer" and pipelined:
+    if cfg.sharding.grad_sync == "once" and pipelined:
         raise ConfigError(f"config.sharding.grad_sync={cfg.sharding.grad_sync!r} with {pipelined}: a pipeline's "
                           f"stages sum their gradients where XLA puts them; set config.sharding.grad_sync='per_layer'")
     V = p.virtual_stages
