@@ -30,7 +30,7 @@ from hetjax import sharding
 from hetjax.compile import aot
 from hetjax.hetero import island as island_lib
 from hetjax.hetero.update import add_in_order, make_apply, sum_of_squares
-from hetjax.pipeline.schedule import forward_only, make_schedule, split_orders
+from hetjax.pipeline.schedule import forward_only, make_schedule, op_label, split_orders
 from hetjax.pipeline.split import Split
 from hetjax.pipeline.stages import (Residuals, add_chunk, chunk_of, stage_backward, stage_backward_kept,
                                     stage_forward, stage_forward_keeping)
@@ -228,7 +228,7 @@ class PipelineStage:
         weight_inputs = {}  # (m, v) -> what a split backward's W reads
         for op, m, v in ops:
             mm, j = self.index[m], self.virtual(v)
-            label = f"{op}{m}" + ("" if self.V == 1 else f".{v}")
+            label = op_label(op, m, v, self.V)
             if op == "W":
                 acc = self.wgt[v](params, acc, *weight_inputs.pop((m, v)), label=label)
                 continue

@@ -313,7 +313,7 @@ def timeline(schedule: Schedule) -> str:
     `B3` its backward, `F3B1` both in one tick, `.` idle; with virtual stages
     `F3.1` is micro-batch 3's forward through the stage's chunk 1."""
     def op(name, m, v):
-        return "" if m < 0 else _label(schedule, name, m, v)
+        return "" if m < 0 else op_label(name, m, v, schedule.virtual)
     cells = [[op("F", f, fv) + op("B", b, bv) or "."
               for f, fv, b, bv in zip(schedule.forward[:, s], schedule.forward_chunk[:, s],
                                       schedule.backward[:, s], schedule.backward_chunk[:, s])]
@@ -336,7 +336,7 @@ def island_orders(schedule: Schedule, split: bool = False) -> str:
     how = "backwards split into B (input gradient) and W (weight gradient)" if split else "whole backwards"
     return "\n".join([f"{schedule.name} on islands, {how} (each runs its own order, no lockstep): "
                       f"{length:g} forwards a step at unit costs, bubble {_island_bubble(schedule, length):.1%}"] + [
-        f"island {s} " + " ".join(_label(schedule, *op[:3]) for op in ops) for s, ops in enumerate(spans)])
+        f"island {s} " + " ".join(op_label(*op[:3], schedule.virtual) for op in ops) for s, ops in enumerate(spans)])
 
 
 def plot(schedule: Schedule, path: str, forward_cost: float = 1.0, backward_cost: float = 2.0) -> None:
@@ -367,9 +367,10 @@ def plot_islands(schedule: Schedule, path: str, split: bool = False) -> None:
            path)
 
 
-def _label(schedule: Schedule, op: str, m: int, v: int) -> str:
-    """`F3`, or `F3.1` (micro-batch 3 through chunk 1) with virtual stages."""
-    return f"{op}{m}" + (f".{v}" if schedule.virtual > 1 else "")
+def op_label(op: str, m: int, v: int, virtual: int) -> str:
+    """`F3`, or `F3.1` (micro-batch 3 through chunk 1) with virtual stages: how timelines,
+    plots and the islands' traces name an operation."""
+    return f"{op}{m}" + (f".{v}" if virtual > 1 else "")
 
 
 def _gantt(schedule: Schedule, bars, length: float, row: str, title: str, path: str) -> None:
@@ -384,7 +385,7 @@ def _gantt(schedule: Schedule, bars, length: float, row: str, title: str, path: 
     for s, op, m, v, start, end in bars:
         ax.barh(s, end - start, left=start, color=colors(m % 20), hatch={"F": "", "B": "//", "W": ".."}[op],
                 edgecolor="black")
-        ax.text((start + end) / 2, s, _label(schedule, op, m, v), ha="center", va="center", fontsize=7)
+        ax.text((start + end) / 2, s, op_label(op, m, v, schedule.virtual), ha="center", va="center", fontsize=7)
     ax.set_yticks(range(schedule.stages), [f"{row} {s}" for s in range(schedule.stages)])
     ax.invert_yaxis()
     ax.set_xlabel("time (forward = 1)")
