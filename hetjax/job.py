@@ -160,6 +160,8 @@ class MeshJob:
             f"needs {estimate.describe()}")
         if prog.plan is not None:
             log(prog.plan.describe())
+        if cfg.sharding.grad_sync == "once" and mesh.shape["data"] > 1:
+            log(f"gradients summed over data={mesh.shape['data']} once a step (config.sharding.grad_sync)")
         self.mesh, self.plan = mesh, prog.plan
         self._agreement = stop_lib.Agreement(mesh)
         if not compile_only:

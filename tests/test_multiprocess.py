@@ -100,6 +100,7 @@ def test_4_gloo_processes_give_the_one_process_losses_and_identical_batches(cfg_
     assert sorted(p for p, _ in saved) == ["0", "1", "2", "3"], out.getvalue()[-3000:]
     assert len({s for _, s in saved}) == 1 and int(saved[0][1]) < STEPS, saved
     check_world(one, run_world(cfg_path, run_dir, 4, once), run_dir, 4)
+    assert "gradients summed over data=2 once a step" in (run_dir / "logs" / "mesh-0.log").read_text()
 
 
 def test_2_gloo_processes_match_one_and_a_killed_world_stops_then_resumes_bit_identically(cfg_path, one, tmp_path):
