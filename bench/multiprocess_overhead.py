@@ -13,7 +13,9 @@ of the cores where there are as many cores as processes (launch.local's cpu_shar
 the one process gets them all; with fewer cores than processes, or --no-pin, they all
 share every core. tokens/s as in that bench: tokens over step time of the steps after
 the first --skip and before the last. The last line: many processes' tokens/s over one
-process's.
+process's. Processes joined by blocking collectives (gloo) keep most of their speed with
+the data-parallel layout and its gradients summed once a step:
+`--config.mesh.fsdp=1 --config.mesh.data=-1 --config.sharding.grad_sync=once`.
 """
 
 from __future__ import annotations
