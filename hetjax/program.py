@@ -22,7 +22,7 @@ from hetjax import optim, sharding
 from hetjax import state as state_lib
 from hetjax import step
 from hetjax.compile import aot
-from hetjax.errors import ConfigError
+from hetjax.pipeline.config import check_grad_sync
 from hetjax.pipeline.spmd import Plan, make_plan, sharding_rules
 from hetjax.pipeline import spmd
 from hetjax.pipeline.stages import to_stages
@@ -97,10 +97,8 @@ def check_splits(cfg, mesh) -> Plan | None:
     split over `mesh`: a ConfigError naming the field if not. Reads only mesh.shape, so an
     AbstractMesh checks a layout without its devices."""
     plan = make_plan(cfg, mesh)
-    if plan is not None and cfg.sharding.grad_sync == "once":  # config.mesh.pipeline=-1, counted here
-        raise ConfigError(f"config.sharding.grad_sync='once' with config.mesh.pipeline={cfg.mesh.pipeline} "
-                          f"({mesh.shape['pipeline']} stages): a pipeline's stages sum their gradients where XLA "
-                          f"puts them; set config.sharding.grad_sync='per_layer'")
+    if plan is not None:  # config.mesh.pipeline=-1 is counted here
+        check_grad_sync(cfg, f"config.mesh.pipeline={cfg.mesh.pipeline} ({mesh.shape['pipeline']} stages)")
     r = rules(cfg, plan)
     sharding.check_divisible(dims(cfg, plan), r, mesh)
     sharding.check_batch_divisible(cfg.batch_size, cfg.seq_len, r, mesh)  # the inputs' shardings

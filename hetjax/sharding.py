@@ -75,6 +75,20 @@ def beside_batch_on_data(rules) -> list:
     return [rule for rule in rules if rule[0] != "batch" and "data" in mesh_axes(rule[1])]
 
 
+def _check_grad_sync_once(rules) -> None:
+    batch = dict(rules).get("batch")
+    if mesh_axes(batch)[:1] != ("data",):
+        raise ConfigError(
+            f"config.sharding.grad_sync='once' sums the gradients of the batch's shards over `data`, but "
+            f"config.sharding.rules maps 'batch' to {batch!r}; map it to `data` first, "
+            f"e.g. ('batch', ('data', 'fsdp')), or set config.sharding.grad_sync='per_layer'")
+    if others := beside_batch_on_data(rules):
+        raise ConfigError(
+            f"config.sharding.grad_sync='once' needs `data` to split the batch only (its parameters "
+            f"replicated over `data`), but config.sharding.rules maps {others[0]!r} "
+            f"onto `data`; take `data` out of that rule or set config.sharding.grad_sync='per_layer'")
+
+
 def shards(target, sizes) -> int:
     """How many ways a rule's target splits a dimension; `sizes`: mesh axis -> size (a
     Mesh's .shape)."""
@@ -120,17 +134,8 @@ def validate_sharding(s: ShardingConfig, model_axes) -> None:
         close = difflib.get_close_matches(name, required, n=2, cutoff=0.5)
         hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"known: {sorted(required)}"
         raise ConfigError(f"config.sharding.rules: unknown logical axis {name!r}; {hint}")
-    batch_axes = mesh_axes(dict(s.rules).get("batch"))
-    if s.grad_sync == "once" and batch_axes[:1] != ("data",):
-        raise ConfigError(
-            f"config.sharding.grad_sync='once' sums the gradients of the batch's shards over `data`, but "
-            f"config.sharding.rules maps 'batch' to {dict(s.rules).get('batch')!r}; map it to `data` first, "
-            f"e.g. ('batch', ('data', 'fsdp')), or set config.sharding.grad_sync='per_layer'")
-    if s.grad_sync == "once" and beside_batch_on_data(s.rules):
-        raise ConfigError(
-            f"config.sharding.grad_sync='once' needs `data` to split the batch only (its parameters "
-            f"replicated over `data`), but config.sharding.rules maps {beside_batch_on_data(s.rules)[0]!r} "
-            f"onto `data`; take `data` out of that rule or set config.sharding.grad_sync='per_layer'")
+    if s.grad_sync == "once":
+        _check_grad_sync_once(s.rules)
     missing = sorted(required - names)
     if missing:
         raise ConfigError(

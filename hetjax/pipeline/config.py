@@ -43,6 +43,14 @@ class PipelineConfig:
     split_backward: bool = False
 
 
+def check_grad_sync(cfg, pipelined: str) -> None:
+    """Refuses config.sharding.grad_sync='once' for a pipeline (`pipelined` says which, or is
+    empty): only the unpipelined step sums its data shards' gradients once."""
+    if cfg.sharding.grad_sync == "once" and pipelined:
+        raise ConfigError(f"config.sharding.grad_sync='once' with {pipelined}: a pipeline's stages sum their "
+                          f"gradients where XLA puts them; set config.sharding.grad_sync='per_layer'")
+
+
 def validate_pipeline(cfg, check_batch: bool = True) -> None:
     """Raises ConfigError unless cfg.pipeline fits cfg.mesh.pipeline stages (cfg: a Config);
     check_batch=False leaves cfg.batch_size alone (an island's share of it is checked apart)."""
@@ -57,11 +65,8 @@ def validate_pipeline(cfg, check_batch: bool = True) -> None:
             "(each island runs its own order of operations; the one-program pipeline's stages move in lockstep "
             "ticks, where the weight-gradient parts would not fill the waits); set it False here")
     # (pipeline=-1 is counted on the mesh: program.check_splits refuses it there)
-    pipelined = "config.mesh.pipeline=%d" % stages if stages > 1 else (
-        "config.hetero.placement='pipeline'" if cfg.hetero.islands and cfg.hetero.placement == "pipeline" else "")
-    if cfg.sharding.grad_sync == "once" and pipelined:
-        raise ConfigError(f"config.sharding.grad_sync={cfg.sharding.grad_sync!r} with {pipelined}: a pipeline's "
-                          f"stages sum their gradients where XLA puts them; set config.sharding.grad_sync='per_layer'")
+    check_grad_sync(cfg, f"config.mesh.pipeline={stages}" if stages > 1 else (
+        "config.hetero.placement='pipeline'" if cfg.hetero.islands and cfg.hetero.placement == "pipeline" else ""))
     V = p.virtual_stages
     if not isinstance(V, int) or V < 1:
         raise ConfigError(f"config.pipeline.virtual_stages={V!r}: must be an integer >= 1 (1: no interleaving)")
