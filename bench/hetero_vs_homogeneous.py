@@ -33,6 +33,7 @@ from hetjax.compile import backend, cli
 from hetjax.errors import ConfigError
 from hetjax.hetero import placement
 from hetjax.launch import local
+from hetjax.pipeline.config import virtual_stages
 
 DEFAULT = "configs/tiny_hetero.py"
 BACKENDS = ("host", "direct")
@@ -53,10 +54,12 @@ def one_island_overrides(cfg) -> dict[str, str]:
                               f"islands on its `data` axis; give the islands pipeline=1 and data=1")
         return {"hetero.islands": "()", "mesh.pipeline": "1", "mesh.data": str(len(islands)),
                 "mesh.fsdp": str(m.fsdp), "mesh.tensor": str(m.tensor)}
-    # Interleaved chunks split the layers evenly, as the islands' placement does with V > 1.
-    stage_layers = placement.island_layers(cfg) if cfg.pipeline.virtual_stages == 1 else ()
+    # Interleaved chunks split the layers evenly, as the islands' placement does with V > 1;
+    # the one island runs the islands' V (its own automatic choice might differ).
+    V = virtual_stages(cfg, len(islands))
+    stage_layers = placement.island_layers(cfg) if V == 1 else ()
     return {"hetero.islands": "()", "mesh.pipeline": str(len(islands)), "mesh.data": str(m.data),
-            "mesh.fsdp": str(m.fsdp), "mesh.tensor": str(m.tensor),
+            "mesh.fsdp": str(m.fsdp), "mesh.tensor": str(m.tensor), "pipeline.virtual_stages": str(V),
             "pipeline.stage_layers": str(stage_layers), "pipeline.split_backward": "False"}
 
 

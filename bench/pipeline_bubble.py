@@ -13,7 +13,9 @@ divided by (1 - predicted bubble). Measures every
 schedule (and the interleaved ones with --virtual-stages chunks per stage), printing
 each one's predicted and measured bubble and ideal / measured (1.0 = no overhead
 beyond the schedule's bubble); the last line is the default schedule's unpipelined /
-pipelined step time (one minus its measured bubble).
+pipelined step time (one minus its measured bubble). It also times the baseline in
+accumulated micro-batches as small per device as a stage's (remat=full, M/S of them):
+what running the layers at a pipeline's micro-batch size costs by itself.
 
 Before it, the cost of a split backward (config.pipeline.split_backward, the islands'
 zero-bubble-style schedule): one stage's forward that keeps what its two parts read, its
@@ -43,7 +45,7 @@ import jax  # noqa: E402
 
 from hetjax import data, pipeline, program  # noqa: E402
 from hetjax.config import Config, MeshConfig, ModelConfig, OptimConfig, PipelineConfig, validate  # noqa: E402
-from hetjax.pipeline.config import VIRTUAL_SCHEDULES  # noqa: E402
+from hetjax.pipeline.config import VIRTUAL_SCHEDULES, virtual_stages  # noqa: E402
 from hetjax.mesh import make_mesh  # noqa: E402
 from hetjax import cli
 
@@ -126,13 +128,18 @@ def main(argv=None) -> int:
                   optim=OptimConfig(warmup_steps=1), batch_size=args.rows * M, seq_len=128, steps=100)
     kinds = [args.schedule] if args.schedule else list(pipeline.KINDS)
     wanted = [(k, 1) for k in kinds] + [(k, V) for k in kinds if V > 1 and k in VIRTUAL_SCHEDULES]
-    default = PipelineConfig()
-    if (default.schedule, default.virtual_stages) not in wanted:
-        wanted.append((default.schedule, default.virtual_stages))
     configs = {"baseline": base, "no remat": dataclasses.replace(base, model=model)}
+    if M % S == 0 and M > S:  # the baseline's layers at a stage's micro-batch size (rows per device)
+        configs["accumulated"] = dataclasses.replace(base, optim=dataclasses.replace(base.optim, grad_accum_steps=M // S))
+
+    def pipelined(pipeline_config):
+        return dataclasses.replace(base, model=model, mesh=MeshConfig(pipeline=S, fsdp=1), pipeline=pipeline_config)
+    default = PipelineConfig(microbatches=M)  # config.pipeline's defaults at M micro-batches
+    default = (default.schedule, virtual_stages(pipelined(default), S))
+    if default not in wanted:
+        wanted.append(default)
     for kind, v in wanted:
-        configs[kind, v] = dataclasses.replace(base, model=model, mesh=MeshConfig(pipeline=S, fsdp=1),
-                                               pipeline=PipelineConfig(kind, M, virtual_stages=v))
+        configs[kind, v] = pipelined(PipelineConfig(kind, M, virtual_stages=v))
     for cfg in configs.values():
         validate(cfg)
     devices = jax.devices()[:S]
@@ -149,6 +156,10 @@ def main(argv=None) -> int:
     t_base = min(t_full, t_none)
     print(f"baseline (fsdp={S}): {t_base * 1e3:.1f} ms/step, the faster of remat=full {t_full * 1e3:.1f} and "
           f"no remat {t_none * 1e3:.1f}; S={S}, M={M}")
+    if "accumulated" in times:  # what micro-batches cost without a pipeline
+        t_acc = statistics.median(times["accumulated"])
+        print(f"the baseline in {M // S} accumulated micro-batches of {args.rows} rows per device, as a stage "
+              f"runs them: {t_acc * 1e3:.1f} ms/step, {t_full / t_acc:.3f} of remat=full's speed")
     print(f"{'schedule':<22} {'ms/step':>8} {'bubble: predicted':>18} {'measured':>9} {'ideal/measured':>15}")
     for kind, v in wanted:
         plan, t_pipe = runs[kind, v][3], statistics.median(times[kind, v])
@@ -167,8 +178,8 @@ def main(argv=None) -> int:
           f"split / unsplit (keeping forward + kept backward, {unsplit / F:.2f}) = {split / unsplit:.3f}; "
           f"jax.vjp's parts, each recomputing: {naive / unsplit:.3f} (1f1b_fused's predicted bubble: "
           f"{fused_bubble:.1%})")
-    t_default = statistics.median(times[default.schedule, default.virtual_stages])
-    print(f"default schedule ({default.schedule}, virtual_stages={default.virtual_stages}) unpipelined / "
+    t_default = statistics.median(times[default])
+    print(f"default schedule ({default[0]}, virtual_stages={default[1]}) unpipelined / "
           f"pipelined step time: {t_base / t_default:.3f}")
     return 0
 

@@ -13,6 +13,7 @@ import numpy as np
 from hetjax import sharding
 from hetjax.config import Config
 from hetjax.errors import ConfigError
+from hetjax.pipeline.config import virtual_stages
 from hetjax.errors import DoesNotFit  # noqa: F401 - raised here, caught by callers
 
 GiB = 1024**3
@@ -142,13 +143,13 @@ def estimate(cfg: Config, layouts, mesh) -> Estimate:
         # hetjax.pipeline.spmd: a stage stashes the input of each micro-batch in flight and
         # recomputes one chunk of its layers for each backward, one micro-batch at a time.
         from hetjax.pipeline.schedule import make_schedule
-        p = cfg.pipeline
-        slots = make_schedule(p.schedule, stages, p.microbatches, p.virtual_stages).slots()[3]
+        p, V = cfg.pipeline, virtual_stages(cfg, stages)
+        slots = make_schedule(p.schedule, stages, p.microbatches, V).slots()[3]
         rows = next(l.shape[0] for l in layouts if l.logical[0] == "layers")  # padding slots too
         tokens = math.ceil(cfg.batch_size / p.microbatches / batch_shards) * cfg.seq_len
         stash = slots * m.embed_dim * np.dtype(m.dtype).itemsize
-        activations = tokens * (stash + rows // stages // p.virtual_stages * per_token_layer + working + logits)
-        layer_activations = tokens * per_token_layer / (stages * p.virtual_stages)  # a stage's chunk holds 1/(S V) of them
+        activations = tokens * (stash + rows // stages // V * per_token_layer + working + logits)
+        layer_activations = tokens * per_token_layer / (stages * V)  # a stage's chunk holds 1/(S V) of them
     else:
         tokens = math.ceil(cfg.batch_size / cfg.optim.grad_accum_steps / batch_shards) * cfg.seq_len
         if cfg.pipeline.split_backward and cfg.hetero.islands:
@@ -214,7 +215,7 @@ def check_fits(cfg: Config, est: Estimate, mesh) -> None:
     fixed = est.total - cfg.model.num_layers * est.per_layer
     max_layers = int((budget - fixed) // est.per_layer) if est.per_layer else 0
     if mesh.shape["pipeline"] > 1:  # a count the stages (and their chunks) split evenly
-        max_layers -= max_layers % (mesh.shape["pipeline"] * cfg.pipeline.virtual_stages)
+        max_layers -= max_layers % (mesh.shape["pipeline"] * virtual_stages(cfg, mesh.shape["pipeline"]))
     layer_hint = (f"--config.model.num_layers={max_layers}" if max_layers >= 1 else
                   "not even one layer fits: lower config.batch_size or config.seq_len")
     raise DoesNotFit(

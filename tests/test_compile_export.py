@@ -110,6 +110,12 @@ def test_loading_refuses_other_meshes_jax_versions_configs_and_corruption(tmp_pa
                                checkpoint=dataclasses.replace(CFG.checkpoint, every=3),
                                compile=dataclasses.replace(CFG.compile, cache=False))
     export.check(manifest, same, make_mesh(same.mesh))
+    # virtual_stages=0 (automatic) is 1 without a pipeline: the manifest records what ran,
+    # and an explicit 1 is the same program.
+    assert CFG.pipeline.virtual_stages == 0 and manifest["config"]["pipeline"]["virtual_stages"] == 1
+    for v in (0, 1):
+        export.check(manifest, dataclasses.replace(CFG, pipeline=dataclasses.replace(CFG.pipeline, virtual_stages=v)),
+                     mesh)
     # config.steps ends the learning rate's cosine unless config.optim.decay_steps does.
     with pytest.raises(export.ArtifactMismatch, match=r"fields that differ: config\.optim\.decay_steps\)"):
         export.check(manifest, dataclasses.replace(CFG, steps=4), mesh)

@@ -481,7 +481,8 @@ def test_1f1b_memory_does_not_grow_with_microbatches_like_gpipe():
      r"batch_size=8 is not divisible by config.pipeline.microbatches=3"),
     (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("pipedream")), r"schedule='pipedream'"),
     (dict(mesh=MeshConfig(pipeline=2), optim=OptimConfig(grad_accum_steps=2)), r"grad_accum_steps=2"),
-    (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("gpipe", virtual_stages=0)), r"virtual_stages=0"),
+    (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("gpipe", virtual_stages=-1)),
+     r"virtual_stages=-1: must be an integer >= 0 \(0: automatic"),
     (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("1f1b", virtual_stages=2)),
      r"virtual_stages=2 with config.pipeline.schedule='1f1b'"),
     (dict(mesh=MeshConfig(pipeline=2), pipeline=PipelineConfig("gpipe", virtual_stages=2)),
@@ -616,5 +617,45 @@ def test_the_plan_describes_interleaved_chunks_as_chunks():
                               mesh=MeshConfig(pipeline=2, fsdp=1), pipeline=PipelineConfig("gpipe", 4, virtual_stages=2))
     text = pipeline.make_plan(cfg, make_mesh(cfg.mesh, jax.devices()[:2])).describe()
     assert "2 stages x 2 interleaved chunks of 1 layers, 4 micro-batches" in text, text
-    even = dataclasses.replace(cfg, pipeline=PipelineConfig("gpipe", 4))
+    even = dataclasses.replace(cfg, pipeline=PipelineConfig("gpipe", 4, virtual_stages=1))
     assert "2 stages of (2, 2) layers" in pipeline.make_plan(even, make_mesh(even.mesh, jax.devices()[:2])).describe()
+
+
+def _with(cfg, **changes):
+    """cfg with dotted fields changed: {"pipeline.schedule": "1f1b"}."""
+    for key, value in changes.items():
+        head, _, rest = key.partition(".")
+        part = getattr(cfg, head)
+        cfg = dataclasses.replace(cfg, **{head: dataclasses.replace(part, **{rest: value}) if rest else value})
+    return cfg
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({}, 2),  # 4 layers over 2 stages, 4 micro-batches: 2 chunks of one layer per stage
+    ({"pipeline.schedule": "gpipe"}, 2),
+    ({"pipeline.virtual_stages": 1}, 1),  # given: kept
+    ({"pipeline.virtual_stages": 4, "model.num_layers": 8}, 4),
+    ({"pipeline.schedule": "1f1b"}, 1),  # does not interleave
+    ({"model.num_layers": 6}, 1),  # 6 layers: not 2 x 2 equal chunks
+    ({"pipeline.stage_layers": (1, 3)}, 1),  # an uneven split
+    ({"pipeline.microbatches": 3, "batch_size": 9}, 1),  # the last M mod S would go round alone
+    ({"mesh.pipeline": 1}, 1),
+    ({"mesh.pipeline": -1}, 1),  # until the mesh counts the stages
+], ids=lambda v: str(v))
+def test_automatic_virtual_stages_interleave_where_two_chunks_run_and_gain(changes, expected):
+    cfg = _with(dataclasses.replace(SMALL, mesh=MeshConfig(pipeline=2, fsdp=1)), **changes)
+    assert PipelineConfig().virtual_stages == 0  # the default is the automatic choice
+    assert pipeline.config.virtual_stages(cfg, cfg.mesh.pipeline) == expected
+
+
+def test_the_default_pipeline_runs_interleaved_chunks_and_islands_run_none():
+    """The plan, not only the rule: the default config on 2 stages (given, or counted from
+    config.mesh.pipeline=-1) holds 2 interleaved chunks per stage."""
+    for mesh_cfg in (MeshConfig(pipeline=2, fsdp=1), MeshConfig(pipeline=-1, fsdp=1)):
+        cfg = dataclasses.replace(SMALL, mesh=mesh_cfg)
+        validate(cfg)
+        plan = pipeline.make_plan(cfg, make_mesh(cfg.mesh, jax.devices()[:2]))
+        assert plan.layout.virtual == 2 and plan.layout.source().tolist() == [0, 2, 1, 3], plan.describe()
+    from hetjax.hetero.config import HeteroConfig, IslandConfig
+    islands = HeteroConfig(islands=(IslandConfig(name="a"), IslandConfig(name="b")), placement="pipeline")
+    assert pipeline.config.virtual_stages(dataclasses.replace(SMALL, hetero=islands), 2) == 1

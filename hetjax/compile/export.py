@@ -28,6 +28,7 @@ from jax import export as jax_export
 from hetjax import config as config_lib
 from hetjax import program, step
 from hetjax.compile import aot, profiles
+from hetjax.pipeline import config as pipeline_config
 from hetjax.errors import ArtifactMismatch  # noqa: F401 - raised here, caught by callers
 
 FORMAT = 1
@@ -56,8 +57,13 @@ def program_fields(config: dict) -> dict:
 
 
 def config_hash(cfg, mesh) -> str:
-    key = {"config": program_fields(config_lib.to_dict(cfg)), "mesh": _mesh_record(mesh)}
+    key = {"config": program_fields(_as_run(cfg, mesh)), "mesh": _mesh_record(mesh)}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _as_run(cfg, mesh) -> dict:
+    """The config as a dict, with what it leaves automatic (virtual_stages=0) as it runs on mesh."""
+    return config_lib.to_dict(pipeline_config.resolve(cfg, mesh.shape["pipeline"]))
 
 
 def _mesh_record(mesh) -> dict:
@@ -115,7 +121,7 @@ def export(cfg, mesh, platforms, out_dir) -> dict:
     (out / MANIFEST).unlink(missing_ok=True)  # an export cut short leaves no manifest, so no artifact
     manifest = {"format": FORMAT, "jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__,
                 "platforms": list(platforms), "mesh": _mesh_record(mesh), "config_name": cfg.name,
-                "config_hash": config_hash(cfg, mesh), "config": config_lib.to_dict(cfg), "functions": {}}
+                "config_hash": config_hash(cfg, mesh), "config": _as_run(cfg, mesh), "functions": {}}
     for name, (jitted, args, in_paths) in _flat_functions(prog).items():
         exported = jax_export.export(jitted, platforms=platforms)(*args)
         blob = exported.serialize()
@@ -175,7 +181,7 @@ def check(manifest: dict, cfg, mesh, platform: str | None = None) -> None:
     # Compared field by field from the manifest's whole config rather than by the stored
     # hash, so that the refusal names the fields and older manifests (whose hash covered
     # the whole config) still load where only logging or paths changed.
-    theirs, ours = program_fields(manifest["config"]), program_fields(config_lib.to_dict(cfg))
+    theirs, ours = program_fields(manifest["config"]), program_fields(_as_run(cfg, mesh))
     diff = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
     if diff:
         raise ArtifactMismatch(

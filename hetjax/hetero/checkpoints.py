@@ -24,6 +24,7 @@ from hetjax.errors import ConfigError
 from hetjax.hetero import island as island_lib
 from hetjax.hetero.config import HeteroConfig
 from hetjax.hetero.placement import island_layers
+from hetjax.pipeline.config import virtual_stages
 from hetjax.pipeline.stages import permute_layers
 
 
@@ -201,8 +202,9 @@ def check_placement(cfg, saved: dict | None, where: str) -> None:
             # restore layers they no longer hold (middle islands' parts have the same shapes).
             ("config.hetero.islands (their order)", [i.get("name") for i in theirs.get("islands", ())],
              [i.name for i in h.islands]),
-            ("config.pipeline.virtual_stages", saved.get("pipeline", {}).get("virtual_stages", 1),
-             cfg.pipeline.virtual_stages)):
+            # 0 (automatic) is 1 on islands (hetjax.pipeline.config.virtual_stages)
+            ("config.pipeline.virtual_stages", saved.get("pipeline", {}).get("virtual_stages", 1) or 1,
+             virtual_stages(cfg, len(h.islands)))):
         if was != now:
             raise ConfigError(
                 f"{where} was written with {field}={was!r} but this config has {now!r}: its islands hold "

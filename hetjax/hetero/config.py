@@ -9,7 +9,7 @@ from pathlib import Path
 from hetjax.checkpoint_config import CORRUPT_DIR
 from hetjax.errors import ConfigError
 from hetjax.mesh import MESH_AXES, MeshConfig
-from hetjax.pipeline.config import validate_pipeline
+from hetjax.pipeline.config import validate_pipeline, virtual_stages
 from hetjax.sharding import check_divisible, check_microbatch_rows
 from hetjax.transfer.link import LinkConfig
 
@@ -121,14 +121,14 @@ def validate_hetero(cfg) -> None:
             raise ConfigError(f"config.mesh.{axis}={getattr(cfg.mesh, axis)} with config.hetero.islands: each island "
                               f"runs on its own mesh (config.hetero.islands[k].mesh), set in the config file; "
                               f"leave config.mesh.{axis} at {unset}")
-    if h.placement == "data" and cfg.pipeline.virtual_stages != 1:
+    if h.placement == "data" and virtual_stages(cfg, n) != 1:
         raise ConfigError(f"config.pipeline.virtual_stages={cfg.pipeline.virtual_stages} with config.hetero."
                           f"placement='data': islands exchange gradients in the model's layout, which "
                           f"interleaved chunks reorder; set virtual_stages=1 or placement='pipeline'")
     if h.placement == "pipeline":
         if n < 2:
             raise ConfigError("config.hetero.placement='pipeline' needs at least 2 islands (one per stage)")
-        V = cfg.pipeline.virtual_stages
+        V = virtual_stages(cfg, n)
         if V != 1 and (h.island_layers or h.auto_split or cfg.model.num_layers % (n * V)):
             raise ConfigError(f"config.pipeline.virtual_stages={V} with config.hetero.placement='pipeline': "
                               f"each of the {n} islands holds {V} equal chunks of layers, so "

@@ -40,6 +40,7 @@ from hetjax.hetero import placement
 from hetjax.hetero import timeline as timeline_lib
 from hetjax.profiler import parse_window
 from hetjax.mesh import resolve_shape
+from hetjax.pipeline.config import virtual_stages
 from hetjax.pipeline.spmd import Plan
 from hetjax.pipeline.stages import chunk_of, permute_layers, to_stages
 from hetjax.transfer.plan import Layout
@@ -134,7 +135,8 @@ def chunks_of(cfg, k: int, layers: tuple[int, int]) -> tuple[tuple[int, int], ..
     """The model layers island k holds, as [start, stop) ranges in its storage order:
     `layers` (its share) when V = config.pipeline.virtual_stages is 1, else its V
     chunks v*n + k (virtual stage v*n + k) of n*V equal ones."""
-    V, n = cfg.pipeline.virtual_stages, len(cfg.hetero.islands)
+    n = len(cfg.hetero.islands)
+    V = virtual_stages(cfg, n)
     if V == 1:
         return (tuple(layers),)
     size = cfg.model.num_layers // (n * V)

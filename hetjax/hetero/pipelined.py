@@ -30,6 +30,7 @@ from hetjax import sharding
 from hetjax.compile import aot
 from hetjax.hetero import island as island_lib
 from hetjax.hetero.update import add_in_order, make_apply, sum_of_squares
+from hetjax.pipeline.config import virtual_stages
 from hetjax.pipeline.schedule import forward_only, make_schedule, op_label, split_orders
 from hetjax.pipeline.split import Split
 from hetjax.pipeline.stages import (Residuals, add_chunk, chunk_of, stage_backward, stage_backward_kept,
@@ -43,7 +44,7 @@ class PipelineStage:
     def __init__(self, island: island_lib.Island, links):
         self.island, self.links = island, links
         cfg, k, n = island.cfg, island.index, island.count
-        self.M, V = cfg.pipeline.microbatches, cfg.pipeline.virtual_stages
+        self.M, V = cfg.pipeline.microbatches, virtual_stages(cfg, n)
         self.V, self.J = V, n * V  # chunks per island, virtual stages
         schedule = make_schedule(cfg.pipeline.schedule, n, self.M, V)
         self.split = cfg.pipeline.split_backward

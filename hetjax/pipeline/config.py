@@ -21,8 +21,10 @@ class PipelineConfig:
     microbatches: int = 4  # the global batch is split into this many micro-batches
     stage_layers: tuple = ()  # layers per stage, e.g. (3, 5); () splits num_layers evenly
     # V > 1: each stage holds V interleaved chunks of layers, a bubble about 1/V as long
-    # when microbatches is a multiple of the stages (the last M mod S go round alone)
-    virtual_stages: int = 1
+    # when microbatches is a multiple of the stages (the last M mod S go round alone); 1: none.
+    # 0 (automatic): 2 in the one-program pipeline wherever 2 can run and gains
+    # (virtual_stages() below), else 1. By measurement: bench/pipeline_bubble.py, README.
+    virtual_stages: int = 0
     # False: in the one-program pipeline a stage's (chunk's) layers are written out one
     # after the other instead of scanned: measured faster (bench/pipeline_bubble.py,
     # README). True compiles faster when a stage holds many layers. The losses are the same.
@@ -41,6 +43,28 @@ class PipelineConfig:
     # schedule.split_orders). The losses match the whole backwards' within float rounding,
     # not bit for bit, hence off by default; config.model.remat does not apply in a split stage.
     split_backward: bool = False
+
+
+def virtual_stages(cfg, stages: int) -> int:
+    """The chunks per stage that cfg's pipeline of `stages` stages runs: config.pipeline.
+    virtual_stages when given (> 0), else 2 where interleaving can run and shortens the
+    bubble: a one-program pipeline (islands run 1) of a schedule that interleaves, layers
+    that split evenly into 2 x stages chunks, and micro-batches in whole groups of stages.
+    Elsewhere 1, as for stages=-1 (config.mesh.pipeline=-1 is decided on the mesh, which
+    counts the stages: hetjax.pipeline.spmd.make_plan)."""
+    p = cfg.pipeline
+    if p.virtual_stages > 0:
+        return p.virtual_stages
+    gains = (not cfg.hetero.islands and stages > 1 and p.schedule in VIRTUAL_SCHEDULES and not p.stage_layers
+             and cfg.model.num_layers % (2 * stages) == 0 and p.microbatches % stages == 0)
+    return 2 if gains else 1
+
+
+def resolve(cfg, stages: int):
+    """cfg with config.pipeline.virtual_stages as its pipeline of `stages` stages runs it."""
+    V = virtual_stages(cfg, stages)
+    return cfg if V == cfg.pipeline.virtual_stages else dataclasses.replace(
+        cfg, pipeline=dataclasses.replace(cfg.pipeline, virtual_stages=V))
 
 
 def check_grad_sync(cfg, pipelined: str) -> None:
@@ -67,9 +91,10 @@ def validate_pipeline(cfg, check_batch: bool = True) -> None:
     # (pipeline=-1 is counted on the mesh: program.check_splits refuses it there)
     check_grad_sync(cfg, f"config.mesh.pipeline={stages}" if stages > 1 else (
         "config.hetero.placement='pipeline'" if cfg.hetero.islands and cfg.hetero.placement == "pipeline" else ""))
-    V = p.virtual_stages
-    if not isinstance(V, int) or V < 1:
-        raise ConfigError(f"config.pipeline.virtual_stages={V!r}: must be an integer >= 1 (1: no interleaving)")
+    if not isinstance(p.virtual_stages, int) or p.virtual_stages < 0:
+        raise ConfigError(f"config.pipeline.virtual_stages={p.virtual_stages!r}: must be an integer >= 0 "
+                          f"(0: automatic, 1: no interleaving)")
+    V = virtual_stages(cfg, stages)
     if V > 1 and p.schedule not in VIRTUAL_SCHEDULES:
         raise ConfigError(f"config.pipeline.virtual_stages={V} with config.pipeline.schedule={p.schedule!r}: "
                           f"interleaved stages run with {' or '.join(VIRTUAL_SCHEDULES)}; set "

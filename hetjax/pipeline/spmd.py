@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax import sharding, step
 from hetjax.errors import ConfigError
-from hetjax.pipeline.config import check_no_grad_accum
+from hetjax.pipeline.config import check_no_grad_accum, virtual_stages
 from hetjax.pipeline.schedule import Schedule, forward_only, make_schedule
 from hetjax.pipeline.stages import StageLayout, make_layout, map_blocks, stage_backward, stage_forward
 
@@ -88,8 +88,7 @@ def make_plan(cfg, mesh: Mesh) -> Plan | None:
                 f"drop {'them' if len(given) > 1 else 'it'}")
         return None
     check_no_grad_accum(cfg, S)  # config.mesh.pipeline=-1 is counted only here
-    M = cfg.pipeline.microbatches
-    V = cfg.pipeline.virtual_stages
+    M, V = cfg.pipeline.microbatches, virtual_stages(cfg, S)
     layout = make_layout(cfg.model.num_layers, S, cfg.pipeline.stage_layers, V)
     if cfg.batch_size % M:
         raise ConfigError(
