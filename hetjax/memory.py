@@ -214,9 +214,14 @@ def check_fits(cfg: Config, est: Estimate, mesh) -> None:
                          f"the model, or {recompute}")
     fixed = est.total - cfg.model.num_layers * est.per_layer
     max_layers = int((budget - fixed) // est.per_layer) if est.per_layer else 0
+    pin = ""
     if mesh.shape["pipeline"] > 1:  # a count the stages (and their chunks) split evenly
-        max_layers -= max_layers % (mesh.shape["pipeline"] * virtual_stages(cfg, mesh.shape["pipeline"]))
-    layer_hint = (f"--config.model.num_layers={max_layers}" if max_layers >= 1 else
+        S, V = mesh.shape["pipeline"], virtual_stages(cfg, mesh.shape["pipeline"])
+        max_layers -= max_layers % (S * V)
+        fewer = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=max(max_layers, 1)))
+        if virtual_stages(fewer, S) != V:  # automatic chunks would change with the count: keep those costed
+            pin = f" --config.pipeline.virtual_stages={V}"
+    layer_hint = (f"--config.model.num_layers={max_layers}{pin}" if max_layers >= 1 else
                   "not even one layer fits: lower config.batch_size or config.seq_len")
     raise DoesNotFit(
         f"config {cfg.name!r} needs about {est.describe()} on a mesh of {est.devices} device(s), "

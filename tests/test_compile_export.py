@@ -178,3 +178,22 @@ def test_command_line_bad_input(tmp_path, capsys):
 
 if __name__ == "__main__":  # the child of test_cpu_artifact_matches_the_jitted_step_bit_for_bit
     artifact_matches_the_jitted_step(Path(sys.argv[1]))
+
+
+def test_an_artifact_records_the_chunks_its_pipeline_runs(tmp_path):
+    """virtual_stages=0 (automatic) goes into the manifest as what the mesh makes of it: 2
+    chunks per stage on the 2 stages that config.mesh.pipeline=-1 counts on 2 devices. An
+    explicit 2 is the same program; the uninterleaved one (1) is another."""
+    cfg = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, num_layers=4),
+                              mesh=MeshConfig(pipeline=-1, fsdp=1))
+    mesh = make_mesh(cfg.mesh, jax.devices()[:2])
+    assert cfg.pipeline.virtual_stages == 0 and mesh.shape["pipeline"] == 2
+    manifest = export.export(cfg, mesh, ("cpu",), tmp_path)
+    assert manifest["config"]["pipeline"]["virtual_stages"] == 2
+
+    def given(v):
+        return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, virtual_stages=v))
+    export.check(manifest, cfg, mesh)
+    export.check(manifest, given(2), mesh)
+    with pytest.raises(export.ArtifactMismatch, match=r"fields that differ: config\.pipeline\.virtual_stages\)"):
+        export.check(manifest, given(1), mesh)

@@ -183,14 +183,16 @@ def test_the_cudnn_activation_estimate_counts_what_jax_saves_for_the_backward(mo
     assert with_stats == memory._activation_bytes_per_layer_token(xla, memory.Splits(), "none") - memory._attention_scores(xla, memory.Splits()) + stats
 
 
-def test_a_pipelines_activation_estimate_counts_its_micro_batches_and_stages():
+@pytest.mark.parametrize("virtual", [1, 0], ids=["uninterleaved", "automatic: 2 chunks"])
+def test_a_pipelines_activation_estimate_counts_its_micro_batches_and_stages(virtual):
     """A stage holds 1/S of the layers and works on one micro-batch at a time, stashing the
     inputs of those in flight. Before, the estimate counted every layer at the whole batch
     (4.4x XLA's figure here), and the memory check refused pipelines that fit."""
     cfg = dataclasses.replace(tiny(num_layers=4, embed_dim=256, mlp_dim=768, num_heads=8, num_kv_heads=4,
                                    head_dim=32, vocab_size=4096), batch_size=32, seq_len=256,
                               mesh=dataclasses.replace(config_lib.load("tiny").mesh, pipeline=2, fsdp=4),
-                              pipeline=dataclasses.replace(config_lib.load("tiny").pipeline, microbatches=4))
+                              pipeline=dataclasses.replace(config_lib.load("tiny").pipeline, microbatches=4,
+                                                           virtual_stages=virtual))
     config_lib.validate(cfg)
     mesh = make_mesh(cfg.mesh)
     prog = program.build(cfg, mesh)
@@ -227,29 +229,36 @@ def test_an_activation_estimate_splits_each_mesh_axis_once_as_the_model_does():
     assert est.total == pytest.approx(peak, rel=0.2), (est, peak)
 
 
-def test_a_pipelines_does_not_fit_hint_names_a_layer_count_that_fits_and_splits():
+@pytest.mark.parametrize("layers", [8, 6])
+def test_a_pipelines_does_not_fit_hint_names_a_layer_count_that_fits_and_splits(layers):
     """A stage holds 1/S of the layers: counting every layer's activations on each device,
     the hint for 8 layers on 2 stages over budget was 6 layers (which did not fit); then 5
-    (which two stages cannot split)."""
+    (which two stages cannot split). 8 layers run 2 automatic chunks per stage, 6 run 1; a
+    hint of 4 layers for those 6 would run 2 unless it says virtual_stages=1, the estimate's."""
     import re
     base = config_lib.load("tiny")
 
-    def estimate(layers, gib=0.0):
+    def estimate(layers, gib=0.0, virtual=0):
         cfg = dataclasses.replace(
             tiny(num_layers=layers, embed_dim=256, mlp_dim=1024, num_heads=8, num_kv_heads=4, head_dim=32),
             batch_size=16, seq_len=256, mesh=MeshConfig(pipeline=2, fsdp=2), device_memory_gib=gib,
-            pipeline=dataclasses.replace(base.pipeline, microbatches=4))
+            pipeline=dataclasses.replace(base.pipeline, microbatches=4, virtual_stages=virtual))
         config_lib.validate(cfg)
         mesh = make_mesh(cfg.mesh, jax.devices()[:4])
-        return cfg, memory.estimate(cfg, program.build(cfg, mesh).layouts, mesh), mesh
-    cfg, est, mesh = estimate(8)
-    gib = 0.75 * est.total / memory.GiB / cfg.memory_fraction
-    cfg, est, mesh = estimate(8, gib)
+        prog = program.build(cfg, mesh)
+        return cfg, memory.estimate(cfg, prog.layouts, mesh), mesh, prog.plan.layout.virtual
+    cfg, est, mesh, chunks = estimate(layers)
+    assert chunks == (2 if layers == 8 else 1)
+    gib = (0.75 if layers == 8 else 0.9) * est.total / memory.GiB / cfg.memory_fraction  # 6: room for 4
+    cfg, est, mesh, _ = estimate(layers, gib)
     with pytest.raises(memory.DoesNotFit, match=r"--config.model.num_layers=(\d+)") as refused:
         memory.check_fits(cfg, est, mesh)
     hinted = int(re.search(r"num_layers=(\d+)", str(refused.value)).group(1))
-    assert hinted % 2 == 0 and hinted >= 2
-    cfg, est, mesh = estimate(hinted, gib)
+    pinned = re.search(r"--config.pipeline.virtual_stages=(\d+)", str(refused.value))
+    assert hinted % (2 * chunks) == 0 and hinted >= 2
+    assert (pinned is not None) == (chunks == 1), str(refused.value)  # 6 layers: a hint of 4
+    cfg, est, mesh, ran = estimate(hinted, gib, int(pinned.group(1)) if pinned else 0)
+    assert ran == chunks
     memory.check_fits(cfg, est, mesh)  # fits, as it said
 
 

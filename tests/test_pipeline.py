@@ -659,3 +659,21 @@ def test_the_default_pipeline_runs_interleaved_chunks_and_islands_run_none():
     from hetjax.hetero.config import HeteroConfig, IslandConfig
     islands = HeteroConfig(islands=(IslandConfig(name="a"), IslandConfig(name="b")), placement="pipeline")
     assert pipeline.config.virtual_stages(dataclasses.replace(SMALL, hetero=islands), 2) == 1
+
+
+def test_the_automatic_chunks_train_like_the_unpipelined_model_on_data_and_tensor_axes(losses_unpipelined):
+    """The default pipeline interleaves (2 chunks per stage) here on pipeline x data x tensor,
+    meshes the 20-step schedule test leaves uninterleaved: its first 3 losses are the
+    unpipelined model's."""
+    ref_losses, _ = losses_unpipelined
+    cfg = dataclasses.replace(SMALL, mesh=MeshConfig(pipeline=2, data=2, fsdp=1, tensor=2))
+    validate(cfg)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:8])
+    prog = program.build(cfg, mesh)
+    assert prog.plan.layout.virtual == 2, prog.plan.describe()
+    train_step, state = prog.jit_train_step(), prog.init_state()
+    losses = []
+    for batch in _batches(cfg, mesh, prog.rules)[:3]:
+        state, metrics = train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses[:3], rtol=1e-5)

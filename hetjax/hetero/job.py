@@ -41,6 +41,7 @@ from hetjax.hetero.links import Links
 from hetjax.hetero.pipelined import PipelineStage
 from hetjax.hetero.profile import seconds_per_layer
 from hetjax.hetero.replicated import DataShare
+from hetjax.pipeline import config as pipeline_config
 from hetjax.transfer.core import run_async
 
 
@@ -76,7 +77,7 @@ def start(cfg) -> tuple[str, object]:
 
 def agreed(cfg) -> dict:
     """What every island must agree on: everything but where each process runs."""
-    d = config_lib.to_dict(cfg)
+    d = config_lib.to_dict(pipeline_config.resolve(cfg, len(cfg.hetero.islands)))  # virtual_stages 0 and 1 agree on islands
     h = d["hetero"] = {k: v for k, v in d["hetero"].items() if k != "virtual"}
     for link in [h["link"], *h["links"]]:  # where a process listens and finds its secret
         for k in ("nic_addresses", "bind_address", "port", "secret_env", "secret_file"):
