@@ -159,7 +159,9 @@ class MeshJob:
             f"({mesh.devices.flat[0].device_kind}); {replicated:.1%} of parameter bytes replicated; "
             f"needs {estimate.describe()}")
         if prog.plan is not None:
-            log(prog.plan.describe())
+            chosen = (f" (config.pipeline.virtual_stages=0 chose {prog.plan.layout.virtual}: set it to fix the "
+                      f"chunks per stage)") if cfg.pipeline.virtual_stages == 0 else ""
+            log(prog.plan.describe() + chosen)
         if cfg.sharding.grad_sync == "once" and mesh.shape["data"] > 1:
             log(f"gradients summed over data={mesh.shape['data']} once a step (config.sharding.grad_sync)")
         self.mesh, self.plan = mesh, prog.plan

@@ -677,3 +677,25 @@ def test_the_automatic_chunks_train_like_the_unpipelined_model_on_data_and_tenso
         state, metrics = train_step(state, batch)
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, ref_losses[:3], rtol=1e-5)
+
+
+def test_the_default_pipeline_interleaves_says_so_and_resumes_unpipelined(tmp_path, capsys):
+    """End to end: a 4-layer model on 2 stages runs 2 chunks per stage by default, the start-up
+    log says it was chosen, and its checkpoint (in the model's layer order) resumes on an
+    unpipelined mesh to the losses of a run that was never pipelined."""
+    from hetjax import train
+    from hetjax.repro import read
+    args = ["--config", "tiny.py", "--config.model.num_layers=4", "--config.eval_every=0",
+            "--config.tensorboard=false", "--config.checkpoint.async_save=false"]
+    run, flat = tmp_path / "run", tmp_path / "flat"
+    assert train.main([*args, "--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.steps=2",
+                       "--config.checkpoint.every=1", f"--config.run_dir={run}"]) == 0
+    out = capsys.readouterr().out
+    assert "2 stages x 2 interleaved chunks of 1 layers" in out and "virtual_stages=0 chose 2" in out, out
+    assert train.main([*args, "--config.mesh.fsdp=8", "--config.steps=3", f"--config.run_dir={run}"]) == 0
+    assert "resumed from step 2" in capsys.readouterr().out
+    assert train.main([*args, "--config.mesh.fsdp=8", "--config.steps=3", f"--config.run_dir={flat}"]) == 0
+    (_, resumed, _), (_, straight, _) = read(run), read(flat)
+    assert sorted(resumed) == sorted(straight) == [0, 1, 2]
+    np.testing.assert_allclose([resumed[s]["loss"] for s in range(3)], [straight[s]["loss"] for s in range(3)],
+                               rtol=1e-5)
