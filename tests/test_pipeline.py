@@ -608,7 +608,7 @@ def test_an_uneven_split_s_checkpoint_is_refused_by_another_uneven_split(tmp_pat
     hf = safetensors_io.open_dir(tmp_path / "hf")
     norms = [hf[f"model.layers.{i}.input_layernorm.weight"].get(f"model.layers.{i}.input_layernorm.weight")
              for i in range(4)]
-    assert all(np.abs(n).sum() > 0 for n in norms) and f"model.layers.4.input_layernorm.weight" not in hf
+    assert all(np.abs(n).sum() > 0 for n in norms) and "model.layers.4.input_layernorm.weight" not in hf
 
 
 def test_the_plan_describes_interleaved_chunks_as_chunks():
