@@ -224,6 +224,12 @@ def validate(cfg: Config) -> None:
     validate_mesh(cfg.mesh)
     validate_pipeline(cfg)
     validate_sharding(cfg.sharding, cfg.model.dims())
+    if cfg.sharding.grad_sync == "once" and cfg.model.attention_impl == "cudnn":
+        # jax 0.10's batching rule for cuDNN attention reshapes its (rows, 1, T, T) segment bias
+        # to (rows, heads, T, T), which fails under the vmap that `once` runs each shard in.
+        raise ConfigError("config.sharding.grad_sync='once' with config.model.attention_impl='cudnn': 'once' runs "
+                          "each data shard's step under jax.vmap, which jax's cuDNN attention cannot batch with "
+                          "a segment mask; use attention_impl='xla' or grad_sync='per_layer'")
     validate_compile(cfg.compile)
     validate_data(cfg)
     validate_checkpoint(cfg.checkpoint)
