@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     wanted = [(k, 1) for k in kinds] + [(k, V) for k in kinds if V > 1 and k in VIRTUAL_SCHEDULES]
     configs = {"baseline": base, "no remat": dataclasses.replace(base, model=model)}
     if M % S == 0 and M > S:  # the baseline's layers at a stage's micro-batch size (rows per device)
-        configs["accumulated"] = dataclasses.replace(base, optim=dataclasses.replace(base.optim, grad_accum_steps=M // S))
+        accumulated = dataclasses.replace(base.optim, grad_accum_steps=M // S)
+        configs["accumulated"] = dataclasses.replace(base, optim=accumulated)
 
     def pipelined(pipeline_config):
         return dataclasses.replace(base, model=model, mesh=MeshConfig(pipeline=S, fsdp=1), pipeline=pipeline_config)

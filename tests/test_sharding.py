@@ -125,7 +125,8 @@ def test_grad_sync_once_sums_over_data_after_the_layer_loop_not_in_it():
     ({"sharding.grad_sync": "once", "sharding.rules": repr(tuple(
         (n, "fsdp" if n == "batch" else t) for n, t in CFG.sharding.rules))}, r"maps 'batch' to 'fsdp'"),
     ({"sharding.grad_sync": "once", "model.attention_impl": "cudnn"},
-     r"grad_sync='once' with config.model.attention_impl='cudnn': .* use attention_impl='xla' or grad_sync='per_layer'"),
+     r"grad_sync='once' with config.model.attention_impl='cudnn': .* use attention_impl='xla' or "
+     r"grad_sync='per_layer'"),
 ])
 def test_grad_sync_refuses_what_it_cannot_do(overrides, message):
     cfg = CFG

@@ -28,8 +28,8 @@ from jax import export as jax_export
 from hetjax import config as config_lib
 from hetjax import program, step
 from hetjax.compile import aot, profiles
-from hetjax.pipeline import config as pipeline_config
 from hetjax.errors import ArtifactMismatch  # noqa: F401 - raised here, caught by callers
+from hetjax.pipeline import config as pipeline_config
 
 FORMAT = 1
 MANIFEST = "manifest.json"

@@ -77,7 +77,8 @@ def start(cfg) -> tuple[str, object]:
 
 def agreed(cfg) -> dict:
     """What every island must agree on: everything but where each process runs."""
-    d = config_lib.to_dict(pipeline_config.resolve(cfg, len(cfg.hetero.islands)))  # virtual_stages 0 and 1 agree on islands
+    # As the islands run it: virtual_stages 0 (automatic) and 1 agree there.
+    d = config_lib.to_dict(pipeline_config.resolve(cfg, len(cfg.hetero.islands)))
     h = d["hetero"] = {k: v for k, v in d["hetero"].items() if k != "virtual"}
     for link in [h["link"], *h["links"]]:  # where a process listens and finds its secret
         for k in ("nic_addresses", "bind_address", "port", "secret_env", "secret_file"):

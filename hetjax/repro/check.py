@@ -16,8 +16,9 @@ tensor; unnamed axes are 1, except fsdp, which takes the remaining devices unles
 is named. `virtual_stages=V` (with pipeline=S) interleaves V chunks of layers per stage
 (config.pipeline.virtual_stages), under the config's schedule or, when that one does not
 interleave, 1f1b_fused; without it the config's own applies (0, the default: interleaved
-where that can run, hetjax.pipeline.config.virtual_stages). `islands=N` asks hetjax.hetero.layouts.islands_layout(cfg, N) for
-a Layout; `islands=N,virtual_stages=V` gives each island V interleaved chunks of layers.
+where that can run, hetjax.pipeline.config.virtual_stages). `islands=N` asks
+hetjax.hetero.layouts.islands_layout(cfg, N) for a Layout; `islands=N,virtual_stages=V`
+gives each island V interleaved chunks of layers.
 """
 
 from __future__ import annotations
