@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hetjax import config as config_lib
 from hetjax import data, pipeline, program, sharding, step
 from hetjax.compile import aot
 from hetjax.config import (Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, PipelineConfig,
@@ -621,29 +622,22 @@ def test_the_plan_describes_interleaved_chunks_as_chunks():
     assert "2 stages of (2, 2) layers" in pipeline.make_plan(even, make_mesh(even.mesh, jax.devices()[:2])).describe()
 
 
-def _with(cfg, **changes):
-    """cfg with dotted fields changed: {"pipeline.schedule": "1f1b"}."""
-    for key, value in changes.items():
-        head, _, rest = key.partition(".")
-        part = getattr(cfg, head)
-        cfg = dataclasses.replace(cfg, **{head: dataclasses.replace(part, **{rest: value}) if rest else value})
-    return cfg
-
-
 @pytest.mark.parametrize("changes,expected", [
     ({}, 2),  # 4 layers over 2 stages, 4 micro-batches: 2 chunks of one layer per stage
     ({"pipeline.schedule": "gpipe"}, 2),
-    ({"pipeline.virtual_stages": 1}, 1),  # given: kept
-    ({"pipeline.virtual_stages": 4, "model.num_layers": 8}, 4),
+    ({"pipeline.virtual_stages": "1"}, 1),  # given: kept
+    ({"pipeline.virtual_stages": "4", "model.num_layers": "8"}, 4),
     ({"pipeline.schedule": "1f1b"}, 1),  # does not interleave
-    ({"model.num_layers": 6}, 1),  # 6 layers: not 2 x 2 equal chunks
-    ({"pipeline.stage_layers": (1, 3)}, 1),  # an uneven split
-    ({"pipeline.microbatches": 3, "batch_size": 9}, 1),  # the last M mod S would go round alone
-    ({"mesh.pipeline": 1}, 1),
-    ({"mesh.pipeline": -1}, 1),  # until the mesh counts the stages
+    ({"model.num_layers": "6"}, 1),  # 6 layers: not 2 x 2 equal chunks
+    ({"pipeline.stage_layers": "(1, 3)"}, 1),  # an uneven split
+    ({"pipeline.microbatches": "3", "batch_size": "9"}, 1),  # the last M mod S would go round alone
+    ({"mesh.pipeline": "1"}, 1),
+    ({"mesh.pipeline": "-1"}, 1),  # until the mesh counts the stages
 ], ids=lambda v: str(v))
 def test_automatic_virtual_stages_interleave_where_two_chunks_run_and_gain(changes, expected):
-    cfg = _with(dataclasses.replace(SMALL, mesh=MeshConfig(pipeline=2, fsdp=1)), **changes)
+    cfg = dataclasses.replace(SMALL, mesh=MeshConfig(pipeline=2, fsdp=1))
+    for key, text in changes.items():
+        cfg = config_lib.override(cfg, key, text)
     assert PipelineConfig().virtual_stages == 0  # the default is the automatic choice
     assert pipeline.config.virtual_stages(cfg, cfg.mesh.pipeline) == expected
 
